@@ -1,0 +1,74 @@
+"""``redrafter-jax`` command line: one subcommand per module in ``redrafter_jax.commands``.
+
+Each command module defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``. Errors
+that are the user's (bad arguments, missing files, unknown models) are printed as ONE line
+``error: ...`` with exit status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "fetch": "redrafter_jax.commands.fetch",
+    "generate": "redrafter_jax.commands.generate",
+    "demo": "redrafter_jax.commands.demo",
+    "export": "redrafter_jax.commands.export",
+    "import": "redrafter_jax.commands.import_drafter",
+    "distill-data": "redrafter_jax.commands.distill_data",
+    "train": "redrafter_jax.commands.train",
+    "serve": "redrafter_jax.commands.serve",
+}
+
+
+class UserError(Exception):
+  """An error caused by the user's input; printed as one line, exit status 2."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+  """Exception types that are the user's fault (bad config, weights, arguments, files)."""
+  from redrafter_jax.config import ConfigError
+  from redrafter_jax.generate import GenerateError
+  from redrafter_jax.models.attention import BackendError
+  from redrafter_jax.weights.fetch import FetchError
+  from redrafter_jax.weights.naming import WeightsError
+
+  return (UserError, ConfigError, GenerateError, BackendError, FetchError, WeightsError,
+          FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def _available():
+  out = {}
+  for name, module in COMMANDS.items():
+    try:
+      out[name] = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+      if e.name != module:  # the command exists but one of its dependencies is missing
+        raise
+  return out
+
+
+def main(argv: list[str] | None = None) -> int:
+  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  parser = argparse.ArgumentParser(prog="redrafter-jax", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  modules = _available()
+  for name, module in modules.items():
+    p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+    module.add_arguments(p)
+  args = parser.parse_args(argv)
+  try:
+    return int(modules[args.command].run(args) or 0)
+  except user_errors() as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

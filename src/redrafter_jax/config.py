@@ -1,0 +1,337 @@
+"""Typed, frozen configuration: model, drafter, decoding, training; YAML presets.
+
+Configs are plain frozen dataclasses so they can be static arguments of ``jax.jit``. Every loader
+rejects unknown keys with a message naming the key and the valid ones (a typo in a YAML preset
+must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A configuration is malformed, inconsistent, or names something unsupported."""
+
+
+def _from_dict(cls, data: Mapping[str, Any], where: str):
+  if not isinstance(data, Mapping):
+    raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - names)
+  if unknown:
+    hints = []
+    for key in unknown:
+      close = difflib.get_close_matches(key, sorted(names), n=1)
+      hints.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}; valid keys: {sorted(names)}")
+  kwargs = {}
+  for f in dataclasses.fields(cls):
+    if f.name in data:
+      value = data[f.name]
+      if isinstance(value, list):
+        value = tuple(value)
+      kwargs[f.name] = value
+  try:
+    return cls(**kwargs)
+  except TypeError as e:
+    raise ConfigError(f"{where}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Architecture of a Llama-family decoder (Llama 1-3, Mistral, Qwen2, SmolLM2)."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+  max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    if isinstance(self.rope_scaling, Mapping):
+      object.__setattr__(self, "rope_scaling",
+                         _from_dict(RopeScaling, self.rope_scaling, "rope_scaling"))
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> "LlamaConfig":
+    return _from_dict(cls, data, "model config")
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
+    """From a Hugging Face ``config.json`` dict (llama, mistral, qwen2)."""
+    model_type = hf.get("model_type")
+    if model_type not in ("llama", "mistral", "qwen2"):
+      raise ConfigError(
+          f"unsupported architecture model_type={model_type!r}; supported: llama, mistral, qwen2")
+    num_heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if rope_type == "llama3":
+      scaling = RopeScaling(
+          factor=float(rope["factor"]),
+          low_freq_factor=float(rope["low_freq_factor"]),
+          high_freq_factor=float(rope["high_freq_factor"]),
+          original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    elif rope_type not in ("default", None):
+      raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return cls(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hidden // num_heads,
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+    )
+
+  def to_hf(self) -> dict[str, Any]:
+    """A transformers ``LlamaConfig``/``Qwen2Config`` dict with the same architecture."""
+    out = dict(
+        model_type="qwen2" if self.attention_bias else "llama",
+        vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+        intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+        num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+        head_dim=self.head_dim, rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
+        tie_word_embeddings=self.tie_word_embeddings,
+        max_position_embeddings=self.max_position_embeddings, hidden_act="silu")
+    if not self.attention_bias:
+      out["attention_bias"] = False
+    if self.rope_scaling is not None:
+      out["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+  """The ReDrafter head; field names follow the reference's ``config.json``."""
+
+  vocab_size: int
+  hidden_size: int  # D of the base LLM
+  exit_dim: int | None = None  # C; None means 2 * hidden_size (no input_proj)
+  num_draft_layers: int = 2
+  rnn: bool = True
+  # The reference subtracts the row max and keeps only the top-k logits before log_softmax
+  # (k=50, others set to -5e4). None disables the cut (the exact distribution).
+  logit_top_k: int | None = None
+
+  def __post_init__(self):
+    if self.exit_dim is None:
+      object.__setattr__(self, "exit_dim", 2 * self.hidden_size)
+    for name in ("vocab_size", "hidden_size", "exit_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"DrafterConfig.{name} must be a positive integer, got {value!r}")
+    if not isinstance(self.num_draft_layers, int) or self.num_draft_layers < 0:
+      raise ConfigError(f"num_draft_layers must be >= 0, got {self.num_draft_layers!r}")
+
+  @property
+  def has_input_proj(self) -> bool:
+    return self.exit_dim != 2 * self.hidden_size
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> "DrafterConfig":
+    data = dict(data)
+    for ignored in ("model_type", "architectures", "torch_dtype", "dtype", "transformers_version",
+                    "_name_or_path"):
+      data.pop(ignored, None)
+    return _from_dict(cls, data, "drafter config")
+
+  def to_dict(self) -> dict[str, Any]:
+    return dict(model_type="recurrent_drafting_drafter", **dataclasses.asdict(self))
+
+
+ACCEPTANCE_RULES = ("greedy", "exact", "typical", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static decoding settings (one compiled program per distinct value).
+
+  ``beam_length`` counts the LLM's own token g0 (the reference's convention): L=5 drafts 4 tokens.
+  Sampling settings here are defaults; per-row values may be passed to ``decode``.
+  """
+
+  beam_width: int = 4
+  beam_length: int = 4
+  max_new_tokens: int = 128
+  temperature: float = 0.0  # 0 means greedy
+  top_p: float = 1.0
+  top_k: int = 0  # 0 disables
+  acceptance: str = "exact"  # used when temperature > 0: exact | typical | reference
+  typical_eps: float = 0.09
+  typical_delta: float = 0.3
+  token_budget: int | None = None  # N; None means W*(L-1)+1 (never truncates the tree)
+  cache_size: int | None = None  # S; None means prompt + max_new_tokens + L, rounded up
+
+  def __post_init__(self):
+    if not isinstance(self.beam_width, int) or self.beam_width < 1:
+      raise ConfigError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+    if not isinstance(self.beam_length, int) or self.beam_length < 2:
+      raise ConfigError(
+          f"beam_length must be an integer >= 2 (it counts the LLM's own token), got "
+          f"{self.beam_length!r}")
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+    if self.temperature < 0:
+      raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+    if self.acceptance not in ACCEPTANCE_RULES:
+      raise ConfigError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+    if self.token_budget is not None:
+      lo = self.beam_length
+      hi = self.beam_width * (self.beam_length - 1) + 1
+      if not lo <= self.token_budget <= hi:
+        raise ConfigError(
+            f"token_budget must be in [{lo}, {hi}] for beam_width={self.beam_width}, "
+            f"beam_length={self.beam_length} (one full beam must fit), got {self.token_budget}")
+
+  @property
+  def num_tree_tokens(self) -> int:
+    if self.token_budget is not None:
+      return self.token_budget
+    return self.beam_width * (self.beam_length - 1) + 1
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> "DecodeConfig":
+    return _from_dict(cls, data, "decode config")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Distillation recipe (DESIGN §7); defaults are the reference recipe."""
+
+  data: str = "runs/distill_data"  # folder written by ``redrafter-jax distill-data``
+  output_dir: str = "runs/train"
+  seq_len: int = 512
+  batch_size: int = 8  # global batch, sequences
+  num_steps: int = 1000
+  num_draft_steps: int = 5  # n: drafter steps per position (beam_length - 1 at decode)
+  learning_rate: float = 1e-3
+  warmup_fraction: float = 0.1
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  seed: int = 0
+  checkpoint_every: int = 200
+  log_every: int = 10
+  keep_checkpoints: int = 2
+  mesh_data: int = -1  # devices on the data axis; -1 means all
+  mesh_model: int = 1  # devices on the model axis (tensor parallel for the frozen LLM)
+
+  def __post_init__(self):
+    for name in ("seq_len", "batch_size", "num_steps", "num_draft_steps", "checkpoint_every",
+                 "log_every"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+    return _from_dict(cls, data, "train config")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A YAML preset: which base model, the drafter, decoding and training settings."""
+
+  model: str = "smollm2-135m"  # a known name (see weights.fetch) or a path to GGUF / HF folder
+  dtype: str = "float32"
+  drafter: Mapping[str, Any] | None = None  # DrafterConfig fields beyond vocab/hidden size
+  drafter_path: str | None = None  # a trained drafter folder (reference format)
+  decode: DecodeConfig = DecodeConfig()
+  train: TrainConfig = TrainConfig()
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+    if isinstance(self.decode, Mapping):
+      object.__setattr__(self, "decode", DecodeConfig.from_dict(self.decode))
+    if isinstance(self.train, Mapping):
+      object.__setattr__(self, "train", TrainConfig.from_dict(self.train))
+    if self.drafter is not None:
+      allowed = {"exit_dim", "num_draft_layers", "rnn", "logit_top_k"}
+      unknown = sorted(set(self.drafter) - allowed)
+      if unknown:
+        raise ConfigError(f"drafter: unknown key(s) {unknown}; valid keys: {sorted(allowed)}")
+
+  def drafter_config(self, llm: LlamaConfig) -> DrafterConfig:
+    return DrafterConfig(vocab_size=llm.vocab_size, hidden_size=llm.hidden_size,
+                         **dict(self.drafter or {}))
+
+
+def load_preset(path: str | pathlib.Path, overrides: Mapping[str, Any] | None = None) -> Preset:
+  """Load a YAML preset; ``overrides`` maps dotted keys (``train.num_steps``) to values."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file not found: {path}")
+  try:
+    data = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path}: invalid YAML: {e}") from e
+  for dotted, value in (overrides or {}).items():
+    node = data
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+      node = node.setdefault(p, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"override {dotted}: '{p}' is not a section")
+    node[leaf] = value
+  return _from_dict(Preset, data, str(path))
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+  """Parse ``key.sub=value`` command-line overrides; values are YAML scalars."""
+  out = {}
+  for item in items:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, value = item.split("=", 1)
+    out[key.strip()] = yaml.safe_load(value)
+  return out

@@ -1,0 +1,91 @@
+"""Static-shape KV cache with per-row lengths.
+
+Layout: ``k``/``v`` are ``[layers, B, S, K, E]``; ``lengths_B`` counts the committed slots of each
+row. A forward over T new tokens writes their K/V at slots ``lengths[b] .. lengths[b] + T - 1``
+WITHOUT committing them; the caller then either ``advance``s (prefill, AR step) or ``commit``s an
+accepted tree path (a gather of at most A slots; the cache is never cloned). Rows never need
+padding on the left: each row's prompt starts at slot 0 and positions are per row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+  k: jax.Array  # [layers, B, S, K, E]
+  v: jax.Array  # [layers, B, S, K, E]
+  lengths_B: jax.Array  # int32 [B], committed slots per row
+
+  @property
+  def size(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[1]
+
+
+def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
+         dtype=jnp.float32) -> KVCache:
+  shape = (num_layers, batch, size, num_kv_heads, head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 lengths_B=jnp.zeros((batch,), jnp.int32))
+
+
+def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
+  """Write one layer's new K/V at each row's first uncommitted slot (no commit)."""
+
+  def put(c_LSKE, x_TKE, offset):
+    return jax.lax.dynamic_update_slice(c_LSKE, x_TKE[None].astype(c_LSKE.dtype),
+                                        (layer, offset, 0, 0))
+
+  put_rows = jax.vmap(put, in_axes=(1, 0, 0), out_axes=1)
+  return cache.replace(k=put_rows(cache.k, k_BTKE, cache.lengths_B),
+                       v=put_rows(cache.v, v_BTKE, cache.lengths_B))
+
+
+def visible_mask(lengths_B: jax.Array, mask_BTT: jax.Array, size: int) -> jax.Array:
+  """``mask_BTS``: a new token sees every committed slot and the new tokens ``mask_BTT`` allows.
+
+  New token t of row b lives at slot ``lengths[b] + t``.
+  """
+  slots_S = jnp.arange(size)
+  rel_BS = slots_S[None, :] - lengths_B[:, None]  # slot index relative to the first new token
+  T = mask_BTT.shape[-1]
+  committed_BS = rel_BS < 0
+  in_new_BS = (rel_BS >= 0) & (rel_BS < T)
+  new_BTS = jax.vmap(lambda m_TT, r_S: m_TT[:, r_S])(mask_BTT, jnp.clip(rel_BS, 0, T - 1))
+  return committed_BS[:, None, :] | (in_new_BS[:, None, :] & new_BTS)
+
+
+def causal_mask(valid_BT: jax.Array) -> jax.Array:
+  """``mask_BTT`` for a causal chunk of new tokens; invalid (padding) keys are hidden."""
+  T = valid_BT.shape[1]
+  tril_TT = jnp.tril(jnp.ones((T, T), bool))
+  return tril_TT[None] & valid_BT[:, None, :]
+
+
+def advance(cache: KVCache, num_B: jax.Array) -> KVCache:
+  """Commit the first ``num_B`` freshly written slots of each row (they are already in place)."""
+  return cache.replace(lengths_B=cache.lengths_B + num_B.astype(jnp.int32))
+
+
+def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
+  """Commit an accepted tree path.
+
+  ``path_BA[b, a]`` is the index (among the T new tokens of the last forward) of the a-th token
+  on row b's accepted path; the first ``num_B[b]`` are committed. Their K/V move from slot
+  ``len + path[a]`` to ``len + a``: a gather and scatter of A slots per row and layer.
+  """
+  def move(c_LSKE, path_A, length):
+    src_LAKE = jnp.take(c_LSKE, length + path_A, axis=1)
+    return jax.lax.dynamic_update_slice(c_LSKE, src_LAKE, (0, length, 0, 0))
+
+  move_rows = jax.vmap(move, in_axes=(1, 0, 0), out_axes=1)
+  return cache.replace(k=move_rows(cache.k, path_BA, cache.lengths_B),
+                       v=move_rows(cache.v, path_BA, cache.lengths_B),
+                       lengths_B=cache.lengths_B + num_B.astype(jnp.int32))

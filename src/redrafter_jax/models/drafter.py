@@ -1,0 +1,110 @@
+"""The ReDrafter head: a small recurrent network on the LLM's last hidden state.
+
+Wiring (the reference implementation's code, DESIGN §5), for one beam at draft step t:
+
+  s_t = SiLU(rnn_w(E(tok_{t-1})) + rnn_u(s_{t-1})),  s_0 = 0   (rnn=True)
+  s_t = E(tok_{t-1}) + s_{t-1}                                  (rnn=False)
+  x   = concat([h, s_t])          # the LLM hidden state FIRST
+  x   = input_proj(x)             # only when exit_dim C != 2 * D
+  x   = x + SiLU(linear_i(x))     # num_draft_layers ResBlocks
+  logp = log_softmax(lm_head_n(x))
+
+``E`` is the LLM's input embedding table, passed in (it is not part of the drafter's weights).
+Parameter names and shapes follow the reference's safetensors keys (``lm_head.{i}.linear``,
+``lm_head.{n}``, ``rnn_u``, ``rnn_w``, ``input_proj``), so export is a transpose per tensor.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redrafter_jax.config import DrafterConfig
+
+REFERENCE_CUT_VALUE = -5e4
+
+
+class ResBlock(nnx.Module):
+
+  def __init__(self, dim: int, *, dtype, rngs: nnx.Rngs):
+    # The reference zero-initialises the ResBlock so a fresh head starts as identity.
+    self.linear = nnx.Linear(dim, dim, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                             kernel_init=nnx.initializers.zeros_init())
+
+  def __call__(self, x):
+    return x + jax.nn.silu(self.linear(x))
+
+
+class Drafter(nnx.Module):
+
+  def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    D, C, V = cfg.hidden_size, cfg.exit_dim, cfg.vocab_size
+    self.config = cfg
+    self.dtype = dtype
+    lin = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                                        rngs=rngs)
+    if cfg.has_input_proj:
+      self.input_proj = lin(2 * D, C, True)
+    self.lm_head = nnx.List([ResBlock(C, dtype=dtype, rngs=rngs)
+                             for _ in range(cfg.num_draft_layers)] + [lin(C, V, False)])
+    if cfg.rnn:
+      self.rnn_u = lin(D, D, True)
+      self.rnn_w = lin(D, D, False)
+
+  def init_state(self, h_xD: jax.Array) -> jax.Array:
+    return jnp.zeros_like(h_xD, self.dtype)
+
+  def recur(self, s_xD: jax.Array, prev_emb_xD: jax.Array) -> jax.Array:
+    """Advance the recurrent state by one token (its embedding ``prev_emb``)."""
+    if self.config.rnn:
+      return jax.nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD))
+    return prev_emb_xD.astype(s_xD.dtype) + s_xD
+
+  def logits(self, h_xD: jax.Array, s_xD: jax.Array) -> jax.Array:
+    """Unnormalised vocabulary logits (float32) from the LLM hidden state and drafter state."""
+    x = jnp.concatenate([h_xD.astype(self.dtype), s_xD.astype(self.dtype)], axis=-1)
+    if self.config.has_input_proj:
+      x = self.input_proj(x)
+    for layer in self.lm_head:
+      x = layer(x)
+    return x.astype(jnp.float32)
+
+  def log_probs(self, h_xD, s_xD) -> jax.Array:
+    logits_xV = self.logits(h_xD, s_xD)
+    if self.config.logit_top_k is not None:
+      logits_xV = reference_top_k_cut(logits_xV, self.config.logit_top_k)
+    return jax.nn.log_softmax(logits_xV, axis=-1)
+
+  def step(self, h_xD, s_xD, prev_emb_xD):
+    """One draft step: ``(log_probs_xV, new_state_xD)``."""
+    s_xD = self.recur(s_xD, prev_emb_xD)
+    return self.log_probs(h_xD, s_xD), s_xD
+
+  def unroll_logits(self, h_xD: jax.Array, prev_emb_xnD: jax.Array) -> jax.Array:
+    """Teacher-forced logits for n steps: step i sees the embeddings of tokens 1..i.
+
+    ``prev_emb_xnD[..., i, :]`` is the embedding of the token before draft step i (g0 first).
+    Returns ``logits_xnV`` (float32). This is the training path (no top-k cut).
+    """
+    s_xD = self.init_state(h_xD)
+    out = []
+    for i in range(prev_emb_xnD.shape[-2]):
+      s_xD = self.recur(s_xD, prev_emb_xnD[..., i, :])
+      out.append(self.logits(h_xD, s_xD))
+    return jnp.stack(out, axis=-2)
+
+
+def reference_top_k_cut(logits_xV: jax.Array, k: int) -> jax.Array:
+  """The reference's cut: subtract the row max, keep the top-k logits, set the rest to -5e4."""
+  logits_xV = logits_xV - jnp.max(logits_xV, axis=-1, keepdims=True)
+  kth_x1 = jax.lax.top_k(logits_xV, k)[0][..., -1:]
+  return jnp.where(logits_xV >= kth_x1, logits_xV, REFERENCE_CUT_VALUE)
+
+
+def init_drafter(cfg: DrafterConfig, *, seed: int = 0, dtype=jnp.float32) -> Drafter:
+  return Drafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def abstract_drafter(cfg: DrafterConfig, *, dtype=jnp.float32) -> Drafter:
+  return nnx.eval_shape(lambda: Drafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))

@@ -1,0 +1,174 @@
+"""Llama-family decoder in Flax NNX (Llama 1-3, Mistral, Qwen2, SmolLM2).
+
+One forward serves prefill, an AR step and tree verification:
+
+  ``model(tokens_BT, positions_BT, mask_BTS, cache) -> (logits_BTV, hidden_BTD, cache)``
+
+``mask_BTS`` says which cache slots each new token sees (see ``kv_cache.visible_mask``); the new
+tokens' K/V are written at each row's first uncommitted slots and left uncommitted. With
+``cache=None`` the forward attends only among the T tokens (``mask_BTS`` is then ``[B, T, T]``),
+which is what training uses. ``hidden`` is taken AFTER the final norm: it is the drafter's input.
+
+Parameter names mirror Hugging Face's (``layers.3.self_attn.q_proj.kernel``) so the name tables
+in ``weights/`` stay one line per tensor. Kernels are (in, out).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redrafter_jax import kv_cache as kvc
+from redrafter_jax.config import LlamaConfig
+from redrafter_jax.models.attention import attend
+
+
+class RMSNorm(nnx.Module):
+  """Normalise in float32, cast back, then scale (the order Hugging Face's Llama uses)."""
+
+  def __init__(self, dim: int, eps: float, *, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...] * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
+  """Inverse frequencies ``[E/2]``, with Llama-3 scaling when configured."""
+  E = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+  mid = (1 - smooth) * scaled / s.factor + smooth * scaled
+  is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(is_mid, mid, scaled)
+
+
+def rope_cos_sin(positions_BT: jax.Array, inv_freq: jax.Array, dtype):
+  angles_BTe = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  angles_BTE = jnp.concatenate([angles_BTe, angles_BTe], axis=-1)
+  return jnp.cos(angles_BTE).astype(dtype), jnp.sin(angles_BTE).astype(dtype)
+
+
+def apply_rope(x_BTHE, cos_BTE, sin_BTE):
+  half = x_BTHE.shape[-1] // 2
+  rotated = jnp.concatenate([-x_BTHE[..., half:], x_BTHE[..., :half]], axis=-1)
+  return x_BTHE * cos_BTE[:, :, None, :] + rotated * sin_BTE[:, :, None, :]
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    linear = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                                           rngs=rngs)
+    self.q_proj = linear(D, H * E, cfg.attention_bias)
+    self.k_proj = linear(D, K * E, cfg.attention_bias)
+    self.v_proj = linear(D, K * E, cfg.attention_bias)
+    self.o_proj = linear(H * E, D, False)
+    self.num_heads, self.num_kv_heads, self.head_dim = H, K, E
+
+  def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend):
+    B, T, _ = x_BTD.shape
+    H, K, E = self.num_heads, self.num_kv_heads, self.head_dim
+    q_BTHE = apply_rope(self.q_proj(x_BTD).reshape(B, T, H, E), cos_BTE, sin_BTE)
+    k_BTKE = apply_rope(self.k_proj(x_BTD).reshape(B, T, K, E), cos_BTE, sin_BTE)
+    v_BTKE = self.v_proj(x_BTD).reshape(B, T, K, E)
+    if cache is None:
+      keys_BSKE, values_BSKE = k_BTKE, v_BTKE
+    else:
+      cache = kvc.write_layer(cache, layer, k_BTKE, v_BTKE)
+      keys_BSKE, values_BSKE = cache.k[layer], cache.v[layer]
+    out_BTHE = attend(q_BTHE, keys_BSKE, values_BSKE, mask_BTS, backend=backend)
+    return self.o_proj(out_BTHE.reshape(B, T, H * E)), cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                     rngs=rngs)
+    self.gate_proj, self.up_proj, self.down_proj = linear(D, F), linear(D, F), linear(F, D)
+
+  def __call__(self, x_BTD):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend):
+    attn_BTD, cache = self.self_attn(self.input_layernorm(x_BTD), cos_BTE, sin_BTE, mask_BTS,
+                                     cache, layer, backend)
+    x_BTD = x_BTD + attn_BTD
+    x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+    return x_BTD, cache
+
+
+class Llama(nnx.Module):
+  """The base LLM. ``backend`` picks the attention implementation (``xla`` or ``cudnn``)."""
+
+  def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, backend: str = "xla",
+               rngs: nnx.Rngs):
+    self.config = cfg
+    self.dtype = dtype
+    self.backend = backend
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                  param_dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
+                                param_dtype=dtype, rngs=rngs)
+
+  def embed(self, tokens):
+    return self.embed_tokens(tokens)
+
+  def forward_hidden(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None):
+    """Run the decoder; returns ``(hidden_BTD, cache)`` with hidden after the final norm."""
+    x_BTD = self.embed_tokens(tokens_BT)
+    cos_BTE, sin_BTE = rope_cos_sin(positions_BT, rope_inv_freq(self.config), self.dtype)
+    for i, layer in enumerate(self.layers):
+      x_BTD, cache = layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i, self.backend)
+    return self.norm(x_BTD), cache
+
+  def logits(self, hidden_xD: jax.Array) -> jax.Array:
+    """Vocabulary logits (float32) for hidden states of any leading shape."""
+    if self.config.tie_word_embeddings:
+      out = self.embed_tokens.attend(hidden_xD)
+    else:
+      out = self.lm_head(hidden_xD)
+    return out.astype(jnp.float32)
+
+  def __call__(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None):
+    hidden_BTD, cache = self.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
+    return self.logits(hidden_BTD), hidden_BTD, cache
+
+  def init_cache(self, batch: int, size: int) -> kvc.KVCache:
+    c = self.config
+    return kvc.init(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, backend: str = "xla") -> Llama:
+  """A Llama with shape-only parameters (no memory, no random init), for loading weights into."""
+  return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, backend=backend, rngs=nnx.Rngs(0)))

@@ -1,0 +1,67 @@
+"""Tokenizer and chat template through transformers (built from the GGUF or an HF folder).
+
+Building a tokenizer from a GGUF takes seconds, so the result is saved once beside the GGUF (in
+``tokenizer/``, written to a temporary folder and renamed) and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import tempfile
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_path: str | pathlib.Path):
+  """A ``transformers`` tokenizer for a GGUF file or an HF model folder."""
+  from transformers import AutoTokenizer
+
+  path = pathlib.Path(model_path)
+  if path.is_dir():
+    ggufs = sorted(path.glob("*.gguf"))
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+      return AutoTokenizer.from_pretrained(str(path))
+    if len(ggufs) != 1:
+      raise FileNotFoundError(f"{path}: no tokenizer files and not exactly one .gguf")
+    path = ggufs[0]
+  saved = path.parent / "tokenizer"
+  if (saved / "tokenizer_config.json").is_file():
+    return AutoTokenizer.from_pretrained(str(saved))
+  tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+  try:
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=".tokenizer-"))
+    tok.save_pretrained(str(tmp))
+    os.replace(tmp, saved)
+  except OSError as e:  # a read-only cache still works, just slower next time
+    log.warning("could not save tokenizer beside %s: %s", path, e)
+  return tok
+
+
+def stop_token_ids(tok) -> tuple[int, ...]:
+  """EOS plus the end-of-turn / end-of-text tokens the vocabulary has."""
+  ids = set()
+  if tok.eos_token_id is not None:
+    ids.add(int(tok.eos_token_id))
+  vocab = tok.get_vocab()
+  for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
+    if name in vocab:
+      ids.add(int(vocab[name]))
+  return tuple(sorted(ids))
+
+
+def encode(tok, text: str, *, chat: bool, system: str | None = None) -> list[int]:
+  """Token ids of ``text``; with ``chat`` it becomes a user turn in the model's chat template."""
+  if not chat:
+    return list(tok(text, add_special_tokens=True)["input_ids"])
+  messages = ([{"role": "system", "content": system}] if system else []) + [
+      {"role": "user", "content": text}]
+  return encode_messages(tok, messages)
+
+
+def encode_messages(tok, messages: list[dict]) -> list[int]:
+  out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  if hasattr(out, "keys"):
+    out = out["input_ids"]
+  return [int(t) for t in out]

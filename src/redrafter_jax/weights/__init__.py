@@ -1,0 +1,1 @@
+"""Checkpoint formats: base-model loaders (GGUF, HF) and drafter import/export."""

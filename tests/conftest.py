@@ -1,0 +1,30 @@
+"""Shared fixtures. Fakes 8 CPU devices (before JAX is imported) to test sharding."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """The real SmolLM2-135M-Instruct (fetched once into the cache), fp32, with its tokenizer."""
+  from redrafter_jax.tokenizer import load_tokenizer
+  from redrafter_jax.weights import fetch
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  model, cfg = load_llama("smollm2-135m")
+  tok = load_tokenizer(fetch.model_path("smollm2-135m"))
+  return model, cfg, tok
+
+
+@pytest.fixture(scope="session")
+def spec_bench_path():
+  from pathlib import Path
+
+  path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench.jsonl"
+  if not path.is_file():
+    pytest.fail(f"Spec-Bench prompts not found at {path} (../shared/data beside the checkout)")
+  return path
