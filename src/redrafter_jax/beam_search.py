@@ -1,0 +1,73 @@
+"""Drafting: beam search over the drafter with ``lax.scan`` and ``lax.top_k``, static shapes.
+
+Inputs are the LLM's hidden state ``h_BD`` at the last committed token and ``g0_B``, the token the
+LLM itself chose next (not yet in the cache). Beam scores start at ``[0, -5e4, ..., -5e4]`` so the
+first step grows W distinct children of beam 0; every step keeps the joint top-W of
+(beam score + token log-prob) over all W x V extensions, with no length normalisation.
+
+The joint top-W over W x V equals the top-W among each beam's own top-W tokens (any token outside a
+beam's top-W is beaten by W tokens of that same beam), so we take ``top_k(k=W)`` per beam and
+then over the W x W survivors: the same beams for a fraction of the sort work.
+
+``beam_length`` L counts g0 (the reference's convention): beams are ``[B, W, L]`` with g0 in
+column 0 and L - 1 drafted tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from redrafter_jax.models.drafter import Drafter
+
+LOG_ZERO = -5e4  # the reference's log(0) for the initial non-first beams
+
+
+@struct.dataclass
+class BeamOutput:
+  beams_BWL: jax.Array  # int32, g0 in column 0
+  logp_BWL1: jax.Array  # float32, drafter log-prob of each drafted token along its beam
+  score_BW: jax.Array  # float32, sum of logp along the beam (beams are sorted by it, best first)
+  full_logp_BWL1V: jax.Array | None = None  # drafter distributions (only when asked for)
+
+
+def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: jax.Array, *,
+                beam_width: int, beam_length: int, return_full: bool = False) -> BeamOutput:
+  B, D = h_BD.shape
+  W, L = beam_width, beam_length
+  V = embed_VD.shape[0]
+  h_BWD = jnp.broadcast_to(h_BD[:, None, :], (B, W, D))
+  score_BW = jnp.tile(jnp.asarray([0.0] + [LOG_ZERO] * (W - 1), jnp.float32), (B, 1))
+  beams_BWL = jnp.zeros((B, W, L), jnp.int32).at[:, :, 0].set(g0_B[:, None])
+  logp_BWL1 = jnp.zeros((B, W, L - 1), jnp.float32)
+  full_BWL1V = jnp.zeros((B, W, L - 1, V), jnp.float32) if return_full else None
+  state_BWD = drafter.init_state(h_BWD)
+  gather = jax.vmap(lambda x, idx: x[idx])  # per row: x[b][parent_W]
+
+  def step(carry, t):
+    beams_BWL, score_BW, logp_BWL1, full_BWL1V, state_BWD = carry
+    prev_BW = jax.lax.dynamic_index_in_dim(beams_BWL, t, axis=2, keepdims=False)
+    logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW])
+    # Per-beam top-W, then the joint top-W over the W*W survivors.
+    tok_logp_BWW, tok_BWW = jax.lax.top_k(logp_BWV, W)
+    cand_BX = (score_BW[:, :, None] + tok_logp_BWW).reshape(B, W * W)
+    score_BW, pick_BW = jax.lax.top_k(cand_BX, W)
+    parent_BW = pick_BW // W
+    token_BW = jnp.take_along_axis(tok_BWW.reshape(B, W * W), pick_BW, axis=1)
+    token_logp_BW = jnp.take_along_axis(tok_logp_BWW.reshape(B, W * W), pick_BW, axis=1)
+    beams_BWL = gather(beams_BWL, parent_BW)
+    beams_BWL = jax.lax.dynamic_update_index_in_dim(beams_BWL, token_BW, t + 1, axis=2)
+    logp_BWL1 = gather(logp_BWL1, parent_BW)
+    logp_BWL1 = jax.lax.dynamic_update_index_in_dim(logp_BWL1, token_logp_BW, t, axis=2)
+    if full_BWL1V is not None:
+      full_BWL1V = gather(full_BWL1V, parent_BW)
+      full_BWL1V = jax.lax.dynamic_update_index_in_dim(full_BWL1V, gather(logp_BWV, parent_BW),
+                                                       t, axis=2)
+    state_BWD = gather(state_BWD, parent_BW)
+    return (beams_BWL, score_BW, logp_BWL1, full_BWL1V, state_BWD), None
+
+  carry = (beams_BWL, score_BW, logp_BWL1, full_BWL1V, state_BWD)
+  (beams_BWL, score_BW, logp_BWL1, full_BWL1V, _), _ = jax.lax.scan(
+      step, carry, jnp.arange(L - 1))
+  return BeamOutput(beams_BWL, logp_BWL1, score_BW, full_BWL1V)

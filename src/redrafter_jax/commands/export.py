@@ -1,0 +1,24 @@
+"""``redrafter-jax export``: write a drafter in the reference, MLX or TensorRT-LLM format."""
+
+from redrafter_jax.weights import drafter_io
+
+HELP = "export a drafter to the Apple reference, MLX or TensorRT-LLM format"
+
+
+def add_arguments(p):
+  p.add_argument("--drafter", required=True,
+                 help="drafter folder in any supported format (reference, MLX, TensorRT-LLM)")
+  p.add_argument("--format", choices=drafter_io.FORMATS, default="mlx",
+                 help="output format (reference and mlx are the same layout)")
+  p.add_argument("--dtype", choices=sorted(drafter_io.DTYPE_ALIASES), default="fp32",
+                 help="dtype of the written tensors")
+  p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+  p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+
+
+def run(args) -> int:
+  drafter = drafter_io.load_drafter(args.drafter)
+  out = drafter_io.save_drafter(drafter, args.out, format=args.format, dtype=args.dtype,
+                                overwrite=args.overwrite)
+  print(out)
+  return 0

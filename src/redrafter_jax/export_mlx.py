@@ -1,0 +1,276 @@
+"""Run an exported drafter with Apple's MLX: strict loading, the drafter in ``mlx.nn``, beam search.
+
+This is the Apple-silicon path for a drafter trained here: ``redrafter-jax export --format mlx``
+writes the reference layout, and this module loads it exactly as the reference's MLX code does
+(``load_weights`` with ``strict=True``: the key set must match) and drafts with the same beam
+search as ``redrafter_jax.beam_search`` (DESIGN §5):
+
+  * beam scores start at ``[0, -5e4, ..., -5e4]`` so step 1 grows W distinct children of beam 0;
+  * each step takes the joint top-W over W x V of (beam score + token log-prob), no length
+    normalisation;
+  * ``beams_BWL`` holds g0 in column 0 (L counts g0: L - 1 drafted tokens), ``logp_BWL1`` the
+    drafter's log-prob of each drafted token along its beam, ``score_BW`` the beam scores.
+
+Ties in the top-W are broken arbitrarily (MLX's partition), unlike ``lax.top_k``'s lowest index.
+``mlx`` is imported inside functions, so the package imports without it (``pip install
+redrafter_jax[mlx]``; ``mlx[cpu]`` on Linux). Smoke run::
+
+  python -m redrafter_jax.export_mlx --drafter DIR [--llm smollm2-135m --prompt "Hi"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import logging
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from redrafter_jax.config import DrafterConfig
+from redrafter_jax.models.drafter import REFERENCE_CUT_VALUE
+from redrafter_jax.weights import drafter_io
+from redrafter_jax.weights.naming import WeightsError
+
+log = logging.getLogger(__name__)
+
+
+def _mlx():
+  try:
+    import mlx.core as mx
+    import mlx.nn as nn
+  except ImportError as e:
+    raise ImportError("the MLX runner needs the mlx package: pip install 'redrafter_jax[mlx]'"
+                      ) from e
+  return mx, nn
+
+
+@functools.cache
+def _drafter_class():
+  """The ``mlx.nn`` drafter class (built on first use so that importing needs no mlx)."""
+  mx, nn = _mlx()
+
+  class ResBlock(nn.Module):
+
+    def __init__(self, dim: int):
+      super().__init__()
+      self.linear = nn.Linear(dim, dim, bias=True)
+
+    def __call__(self, x):
+      return x + nn.silu(self.linear(x))
+
+  class MLXDrafter(nn.Module):
+    """The ReDrafter head in MLX; attribute names give the reference's safetensors keys."""
+
+    def __init__(self, cfg: DrafterConfig):
+      super().__init__()
+      D, C, V = cfg.hidden_size, cfg.exit_dim, cfg.vocab_size
+      self.config = cfg
+      if cfg.has_input_proj:
+        self.input_proj = nn.Linear(2 * D, C, bias=True)
+      self.lm_head = [ResBlock(C) for _ in range(cfg.num_draft_layers)] + [
+          nn.Linear(C, V, bias=False)]
+      if cfg.rnn:
+        self.rnn_u = nn.Linear(D, D, bias=True)
+        self.rnn_w = nn.Linear(D, D, bias=False)
+
+    @property
+    def dtype(self):
+      return self.lm_head[-1].weight.dtype
+
+    def init_state(self, h_xD):
+      return mx.zeros(h_xD.shape, self.dtype)
+
+    def recur(self, s_xD, prev_emb_xD):
+      prev_emb_xD = prev_emb_xD.astype(self.dtype)
+      if self.config.rnn:
+        return nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD.astype(self.dtype)))
+      return prev_emb_xD + s_xD.astype(self.dtype)
+
+    def logits(self, h_xD, s_xD):
+      x = mx.concatenate([h_xD.astype(self.dtype), s_xD.astype(self.dtype)], axis=-1)
+      if self.config.has_input_proj:
+        x = self.input_proj(x)
+      for layer in self.lm_head:
+        x = layer(x)
+      return x.astype(mx.float32)
+
+    def log_probs(self, h_xD, s_xD):
+      logits_xV = self.logits(h_xD, s_xD)
+      k = self.config.logit_top_k
+      if k is not None:
+        # The reference's cut: subtract the row max, keep the top-k, the rest to -5e4.
+        logits_xV = logits_xV - mx.max(logits_xV, axis=-1, keepdims=True)
+        kth_x1 = mx.min(mx.topk(logits_xV, min(k, logits_xV.shape[-1]), axis=-1), axis=-1,
+                        keepdims=True)
+        logits_xV = mx.where(logits_xV >= kth_x1, logits_xV, REFERENCE_CUT_VALUE)
+      return logits_xV - mx.logsumexp(logits_xV, axis=-1, keepdims=True)
+
+    def step(self, h_xD, s_xD, prev_emb_xD):
+      """One draft step: ``(log_probs_xV, new_state_xD)``."""
+      s_xD = self.recur(s_xD, prev_emb_xD)
+      return self.log_probs(h_xD, s_xD), s_xD
+
+  return MLXDrafter
+
+
+def build_mlx_drafter(cfg: DrafterConfig):
+  """An MLX drafter with fresh (random) weights: load real ones with ``load_weights``."""
+  return _drafter_class()(cfg)
+
+
+def load_mlx_drafter(path, *, dtype: str | None = None):
+  """Load an MLX / reference drafter folder strictly: the file's keys must be exactly the
+  drafter's. ``dtype`` (float32 | float16 | bfloat16) casts; None keeps the file's dtype."""
+  mx, _ = _mlx()
+  folder = pathlib.Path(path)
+  if not (folder / "config.json").is_file():
+    raise WeightsError(f"{folder}: no config.json (expected an MLX / reference drafter folder)")
+  fmt, fields = drafter_io.read_config(folder)
+  if fmt != "reference":
+    raise WeightsError(f"{folder}: a {fmt} drafter; MLX loads the reference layout "
+                       f"(redrafter-jax export --format mlx)")
+  weights_path = folder / drafter_io.WEIGHTS_FILE
+  if not weights_path.is_file():
+    raise WeightsError(f"{folder}: no {drafter_io.WEIGHTS_FILE}")
+  try:
+    weights = mx.load(str(weights_path))
+  except (RuntimeError, ValueError) as e:
+    raise WeightsError(f"{weights_path}: MLX cannot read it ({e})") from e
+  fields.setdefault("rnn", "rnn_u.weight" in weights)  # as drafter_io.read_drafter does
+  cfg = drafter_io.drafter_config(fields, folder / "config.json")
+  if dtype is not None:
+    target = getattr(mx, drafter_io.canonical_dtype(dtype))
+    weights = {k: v.astype(target) for k, v in weights.items()}
+  drafter = build_mlx_drafter(cfg)
+  try:
+    drafter.load_weights(list(weights.items()), strict=True)
+  except ValueError as e:
+    raise WeightsError(f"{weights_path}: does not match the drafter of config.json: "
+                       f"{' '.join(str(e).split())}") from e
+  mx.eval(drafter.parameters())
+  return drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class MLXBeamOutput:
+  """Beam search result as ``mx.array``s (same fields as ``beam_search.BeamOutput``)."""
+
+  beams_BWL: object  # int32, g0 in column 0
+  logp_BWL1: object  # float32, log-prob of each drafted token along its beam
+  score_BW: object  # float32, beam scores (sum of logp_BWL1, no length normalisation)
+
+
+def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
+                beam_length: int) -> MLXBeamOutput:
+  """Draft ``beam_width`` beams of ``beam_length`` tokens (g0 included) with MLX ops.
+
+  ``embed_VD`` is the LLM's input embedding table, ``h_BD`` its last hidden state (after the
+  final norm) and ``g0_B`` the token it chose; arrays may be NumPy or MLX.
+  """
+  mx, _ = _mlx()
+  W, L = beam_width, beam_length
+  if W < 1 or L < 2:
+    raise ValueError(f"need beam_width >= 1 and beam_length >= 2, got {W}, {L}")
+  embed_VD, h_BD = mx.array(embed_VD), mx.array(h_BD)
+  g0_B = mx.array(g0_B).astype(mx.int32)
+  B, D = h_BD.shape
+  V = embed_VD.shape[0]
+  if V != drafter.config.vocab_size or D != drafter.config.hidden_size:
+    raise ValueError(f"embedding table [{V}, {embed_VD.shape[1]}] / hidden [{B}, {D}] do not "
+                     f"fit the drafter (vocab_size={drafter.config.vocab_size}, "
+                     f"hidden_size={drafter.config.hidden_size})")
+  score_BW = mx.broadcast_to(
+      mx.array([0.0] + [REFERENCE_CUT_VALUE] * (W - 1), mx.float32), (B, W))
+  h_BWD = mx.broadcast_to(h_BD[:, None, :], (B, W, D))
+  beams_BWl = mx.broadcast_to(g0_B[:, None, None], (B, W, 1))
+  logp_BWl = mx.zeros((B, W, 0), mx.float32)
+  s_BWD = drafter.init_state(h_BWD)
+  for _ in range(L - 1):
+    logp_BWV, s_BWD = drafter.step(h_BWD, s_BWD, mx.take(embed_VD, beams_BWl[..., -1], axis=0))
+    total_BX = (score_BW[..., None] + logp_BWV).reshape(B, W * V)
+    # Top-W of W*V, sorted best first (as lax.top_k returns them).
+    top_BW = mx.argpartition(-total_BX, kth=W - 1, axis=-1)[:, :W]
+    order_BW = mx.argsort(-mx.take_along_axis(total_BX, top_BW, axis=-1), axis=-1)
+    top_BW = mx.take_along_axis(top_BW, order_BW, axis=-1)
+    score_BW = mx.take_along_axis(total_BX, top_BW, axis=-1)
+    parent_BW1 = (top_BW // V)[..., None].astype(mx.int32)
+    token_BW1 = (top_BW % V)[..., None].astype(mx.int32)
+    chosen_BW1 = mx.take_along_axis(logp_BWV.reshape(B, W * V), top_BW, axis=-1)[..., None]
+    beams_BWl = mx.concatenate([mx.take_along_axis(beams_BWl, parent_BW1, axis=1), token_BW1],
+                               axis=-1)
+    logp_BWl = mx.concatenate([mx.take_along_axis(logp_BWl, parent_BW1, axis=1), chosen_BW1],
+                              axis=-1)
+    s_BWD = mx.take_along_axis(s_BWD, parent_BW1, axis=1)
+  mx.eval(beams_BWl, logp_BWl, score_BW)
+  return MLXBeamOutput(beams_BWL=beams_BWl, logp_BWL1=logp_BWl, score_BW=score_BW)
+
+
+# ---------------------------------------------------------------------------------------------
+# Smoke entry point.
+
+
+def _llm_inputs(source: str, prompt: str):
+  """Embedding table, last hidden state, g0 and the tokenizer from a base LLM run in JAX."""
+  import jax.numpy as jnp
+
+  from redrafter_jax import kv_cache as kvc
+  from redrafter_jax import tokenizer as toks
+  from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+
+  model, _ = load_llama(source)
+  tok = toks.load_tokenizer(resolve_source(source))
+  ids = toks.encode(tok, prompt, chat=True)
+  tokens_BT = jnp.asarray([ids], jnp.int32)
+  positions_BT = jnp.arange(len(ids))[None]
+  mask_BTT = kvc.causal_mask(jnp.ones_like(tokens_BT, bool))
+  logits_BTV, hidden_BTD, _ = model(tokens_BT, positions_BT, mask_BTT, None)
+  embed_VD = np.asarray(model.embed_tokens.embedding[...], np.float32)
+  g0_B = np.asarray(jnp.argmax(logits_BTV[:, -1], axis=-1), np.int32)
+  return embed_VD, np.asarray(hidden_BTD[:, -1], np.float32), g0_B, tok
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.export_mlx",
+                              description="Load an exported drafter in MLX and draft beams.")
+  p.add_argument("--drafter", required=True, help="folder written by export --format mlx")
+  p.add_argument("--llm", help="base model (name, GGUF or HF folder) for the embedding table and "
+                 "hidden state; without it a random table and hidden state are used")
+  p.add_argument("--prompt", default="Write a haiku about the sea.")
+  p.add_argument("--beam-width", type=int, default=4)
+  p.add_argument("--beam-length", type=int, default=5, help="tokens per beam, g0 included")
+  p.add_argument("--dtype", choices=sorted(drafter_io.DTYPES), help="cast the weights")
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  try:
+    drafter = load_mlx_drafter(args.drafter, dtype=args.dtype)
+  except (WeightsError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  cfg = drafter.config
+  tok = None
+  if args.llm:
+    embed_VD, h_BD, g0_B, tok = _llm_inputs(args.llm, args.prompt)
+  else:
+    rng = np.random.default_rng(args.seed)
+    embed_VD = rng.normal(size=(cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
+    h_BD = rng.normal(size=(1, cfg.hidden_size)).astype(np.float32)
+    g0_B = np.zeros((1,), np.int32)
+  start = time.perf_counter()
+  out = beam_search(drafter, embed_VD, h_BD, g0_B, beam_width=args.beam_width,
+                    beam_length=args.beam_length)
+  ms = 1e3 * (time.perf_counter() - start)
+  beams, scores = np.array(out.beams_BWL)[0], np.array(out.score_BW)[0]
+  print(f"drafted {args.beam_width} beams x {args.beam_length - 1} tokens in {ms:.1f} ms (MLX)")
+  for w in range(args.beam_width):
+    text = f"  {tok.decode(beams[w])!r}" if tok is not None else ""
+    print(f"beam {w}: score {scores[w]:9.3f}  tokens {beams[w].tolist()}{text}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

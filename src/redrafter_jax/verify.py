@@ -1,0 +1,164 @@
+"""Acceptance: which drafted tokens the LLM keeps, and the token it adds after them.
+
+``exact`` (default; also greedy, where the target distribution is one-hot at the argmax):
+  the sibling-by-sibling rule for deterministic drafts on a tree (DESIGN §6). At a node with
+  target distribution P and distinct children x1..xk in beam order: accept x1 with probability
+  P(x1); if rejected, remove x1 from P, renormalise, try x2 with its new probability; and so on.
+  Descend into the accepted child; when all are rejected (or at a leaf), sample the next token
+  from what is left of P. Each emitted token then has exactly its AR probability:
+  x_i is emitted with (1 - P(x1) - ... - P(x_{i-1})) * P(x_i) / (1 - P(x1) - ... - P(x_{i-1})).
+``typical``: Medusa's typical acceptance, p(x) > min(eps, delta * exp(-H(p))). LOSSY by design.
+``reference``: the reference implementation's rule (min(1, P/Q) per beam, then sampling from
+  relu(P - Q)); NOT exact for beam-search drafts, kept to compare against.
+
+All rules return a ``Verdict`` with static shapes; ``A`` = beam length L.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from redrafter_jax import sampling
+from redrafter_jax.beam_search import BeamOutput
+from redrafter_jax.tree import Tree, unpack
+
+_TINY = 1e-30
+
+
+@struct.dataclass
+class Verdict:
+  path_BA: jax.Array  # packed slots of the accepted path, root first (padded with its end)
+  num_accepted_B: jax.Array  # drafted tokens accepted, 0 .. L-1
+  tokens_BA: jax.Array  # the accepted drafts, then the next token: num_accepted + 1 valid
+  end_slot_B: jax.Array  # slot whose LLM output gave the next token (the drafter's next context)
+
+
+def _gather_rows(x_BN, idx_B):
+  return jnp.take_along_axis(x_BN, idx_B[:, None], axis=1)[:, 0]
+
+
+def _children_mask(tree: Tree, slot_B):
+  return tree.valid_BN & (tree.parent_BN == slot_B[:, None])
+
+
+def _remove_tokens(logp_BV, tokens_BN, remove_BN):
+  """Set the log-prob of every ``tokens_BN`` marked in ``remove_BN`` to -inf."""
+  B, V = logp_BV.shape
+  hit_BV = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], tokens_BN].max(remove_BN)
+  return jnp.where(hit_BV, -jnp.inf, logp_BV)
+
+
+def _assemble(path_BA, num_B, drafted_BA, next_B) -> Verdict:
+  """Tokens = accepted drafts (``drafted_BA[:, :num]``) then ``next_B``; pad the path."""
+  A = path_BA.shape[1]
+  idx_A = jnp.arange(A)
+  end_slot_B = _gather_rows(path_BA, num_B)
+  path_BA = jnp.where(idx_A[None] <= num_B[:, None], path_BA, end_slot_B[:, None])
+  tokens_BA = jnp.where(idx_A[None] < num_B[:, None], drafted_BA,
+                        jnp.where(idx_A[None] == num_B[:, None], next_B[:, None], 0))
+  return Verdict(path_BA=path_BA.astype(jnp.int32), num_accepted_B=num_B.astype(jnp.int32),
+                 tokens_BA=tokens_BA.astype(jnp.int32), end_slot_B=end_slot_B.astype(jnp.int32))
+
+
+def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *,
+                 beam_length: int, filtered: bool) -> Verdict:
+  """Exact tree rejection sampling (greedy rows: accept exactly the argmax continuation)."""
+  B, N, V = logits_BNV.shape
+  L = beam_length
+  keys = jax.random.split(rng, L)
+  target = lambda slot_B: sampling.target_logprobs(_gather_rows_v(logits_BNV, slot_B), params,
+                                                   filtered=filtered)
+  slot_B = jnp.zeros((B,), jnp.int32)
+  alive_B = jnp.ones((B,), bool)
+  num_B = jnp.zeros((B,), jnp.int32)
+  path, drafted = [slot_B], []
+  for d in range(1, L):
+    logp_BV = target(slot_B)
+    child_BN = _children_mask(tree, slot_B) & alive_B[:, None]
+    p_tok_BN = jnp.where(child_BN, jnp.exp(jnp.take_along_axis(logp_BV, tree.tokens_BN, axis=1)),
+                         0.0)
+    before_BN = jnp.cumsum(p_tok_BN, axis=1) - p_tok_BN  # siblings tried earlier (slot order)
+    cond_BN = p_tok_BN / jnp.maximum(1.0 - before_BN, _TINY)
+    u_BN = jax.random.uniform(keys[d], (B, N))
+    accept_BN = child_BN & (u_BN < cond_BN)
+    moved_B = accept_BN.any(axis=1)
+    slot_B = jnp.where(moved_B, jnp.argmax(accept_BN, axis=1).astype(jnp.int32), slot_B)
+    alive_B = alive_B & moved_B
+    num_B = num_B + moved_B
+    path.append(slot_B)
+    drafted.append(_gather_rows(tree.tokens_BN, slot_B))
+  # The next token comes from what is left of P at the end node: its tree children were all
+  # rejected (or it has none), so they are removed before sampling.
+  logp_BV = _remove_tokens(target(slot_B), tree.tokens_BN, _children_mask(tree, slot_B))
+  next_B = sampling.sample(keys[0], logp_BV)
+  path_BA = jnp.stack(path, axis=1)
+  drafted_BA = jnp.stack(drafted + [jnp.zeros((B,), jnp.int32)], axis=1)
+  return _assemble(path_BA, num_B, drafted_BA, next_B)
+
+
+def _gather_rows_v(x_BNV, slot_B):
+  return jnp.take_along_axis(x_BNV, slot_B[:, None, None], axis=1)[:, 0]
+
+
+def _longest_beam(accept_BWL1, beam_len_BW):
+  """Per beam, the leading accepted drafted tokens (within the budget); pick the longest."""
+  L1 = accept_BWL1.shape[2]
+  in_budget_BWL1 = jnp.arange(1, L1 + 1)[None, None, :] < beam_len_BW[:, :, None]
+  run_BW = jnp.cumprod(accept_BWL1 & in_budget_BWL1, axis=2).sum(axis=2)
+  best_B = jnp.argmax(run_BW, axis=1)
+  return best_B, _gather_rows(run_BW, best_B)
+
+
+def _beam_verdict(tree: Tree, beams_BWL, best_B, num_B, next_B) -> Verdict:
+  rows = jnp.arange(beams_BWL.shape[0])
+  path_BA = jnp.minimum(tree.node_BWL[rows, best_B], tree.size - 1)
+  drafted_BA = jnp.concatenate([beams_BWL[rows, best_B, 1:],
+                                jnp.zeros_like(beams_BWL[:, 0, :1])], axis=1)
+  return _assemble(path_BA, num_B, drafted_BA, next_B)
+
+
+def verify_typical(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *, eps: float,
+                   delta: float, filtered: bool) -> Verdict:
+  """Medusa typical acceptance (lossy): accept x when p(x) > min(eps, delta * exp(-H(p)))."""
+  logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
+  p_BNV = jnp.exp(logp_BNV)
+  entropy_BN = -jnp.sum(jnp.where(p_BNV > 0, p_BNV * logp_BNV, 0.0), axis=-1)
+  threshold_BN = jnp.minimum(eps, delta * jnp.exp(-entropy_BN))
+  parent_logp_BWLV = unpack(tree, logp_BNV)  # P at each beam position, predicting the next
+  beams_BWL = beams.beams_BWL
+  tok_logp_BWL1 = jnp.take_along_axis(parent_logp_BWLV[:, :, :-1], beams_BWL[:, :, 1:, None],
+                                      axis=-1)[..., 0]
+  accept_BWL1 = jnp.exp(tok_logp_BWL1) > unpack(tree, threshold_BN)[:, :, :-1]
+  best_B, num_B = _longest_beam(accept_BWL1, tree.beam_len_BW)
+  rows = jnp.arange(beams_BWL.shape[0])
+  end_B = jnp.minimum(tree.node_BWL[rows, best_B, num_B], tree.size - 1)
+  next_B = sampling.sample(rng, _gather_rows_v(logp_BNV, end_B))
+  return _beam_verdict(tree, beams_BWL, best_B, num_B, next_B)
+
+
+def verify_reference(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *,
+                     filtered: bool) -> Verdict:
+  """The reference's rule: per beam accept with min(1, P/Q), resample from relu(P - Q)."""
+  if beams.full_logp_BWL1V is None:
+    raise ValueError("the reference rule needs beam_search(..., return_full=True)")
+  key_u, key_s = jax.random.split(rng)
+  logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
+  parent_logp_BWLV = unpack(tree, logp_BNV)
+  beams_BWL = beams.beams_BWL
+  p_tok_BWL1 = jnp.take_along_axis(parent_logp_BWLV[:, :, :-1], beams_BWL[:, :, 1:, None],
+                                   axis=-1)[..., 0]
+  u_BWL1 = jax.random.uniform(key_u, p_tok_BWL1.shape)
+  accept_BWL1 = u_BWL1 < jnp.exp(p_tok_BWL1 - beams.logp_BWL1)
+  best_B, num_B = _longest_beam(accept_BWL1, tree.beam_len_BW)
+  rows = jnp.arange(beams_BWL.shape[0])
+  L1 = beams_BWL.shape[2] - 1
+  p_end_BV = jnp.exp(parent_logp_BWLV[rows, best_B, num_B])
+  q_BV = jnp.exp(beams.full_logp_BWL1V[rows, best_B, jnp.minimum(num_B, L1 - 1)])
+  whole_B = num_B >= tree.beam_len_BW[rows, best_B] - 1
+  resid_BV = jnp.where(whole_B[:, None], p_end_BV, jax.nn.relu(p_end_BV - q_BV))
+  # All-zero residual (P <= Q everywhere) cannot be sampled from; fall back to P.
+  resid_BV = jnp.where(resid_BV.sum(-1, keepdims=True) > 0, resid_BV, p_end_BV)
+  next_B = sampling.sample(key_s, jnp.log(resid_BV))
+  return _beam_verdict(tree, beams_BWL, best_B, num_B, next_B)

@@ -1,0 +1,127 @@
+"""Drafter wiring and beam search against a straightforward NumPy implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from redrafter_jax.beam_search import beam_search
+from redrafter_jax.config import DrafterConfig
+from redrafter_jax.models.drafter import Drafter, reference_top_k_cut
+from redrafter_jax.weights.params import flat_params
+
+D, V = 8, 40
+
+
+def _drafter(exit_dim, rnn, layers=2, seed=0, top_k=None):
+  cfg = DrafterConfig(vocab_size=V, hidden_size=D, exit_dim=exit_dim, num_draft_layers=layers,
+                      rnn=rnn, logit_top_k=top_k)
+  d = Drafter(cfg, rngs=nnx.Rngs(seed))
+  # ResBlocks start at zero (identity); give them weights so the test sees them.
+  rng = np.random.default_rng(seed)
+  for block in list(d.lm_head)[:-1]:
+    block.linear.kernel[...] = jnp.asarray(rng.normal(0, 0.3, block.linear.kernel.shape),
+                                           jnp.float32)
+    block.linear.bias[...] = jnp.asarray(rng.normal(0, 0.3, block.linear.bias.shape), jnp.float32)
+  return d
+
+
+def _np_silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def _np_log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _np_step(p, cfg, h, s, emb):
+  """The DESIGN §5 wiring written out in NumPy from the flat parameter dict."""
+  lin = lambda x, name, bias=True: x @ p[f"{name}.kernel"] + (p[f"{name}.bias"] if bias else 0)
+  if cfg.rnn:
+    s = _np_silu(lin(emb, "rnn_w", bias=False) + lin(s, "rnn_u"))
+  else:
+    s = emb + s
+  x = np.concatenate([h, s], axis=-1)  # LLM hidden state first
+  if cfg.has_input_proj:
+    x = lin(x, "input_proj")
+  n = cfg.num_draft_layers
+  for i in range(n):
+    x = x + _np_silu(lin(x, f"lm_head.{i}.linear"))
+  logits = x @ p[f"lm_head.{n}.kernel"]
+  if cfg.logit_top_k:
+    logits = logits - logits.max(-1, keepdims=True)
+    kth = np.sort(logits, axis=-1)[..., -cfg.logit_top_k][..., None]
+    logits = np.where(logits >= kth, logits, -5e4)
+  return _np_log_softmax(logits), s
+
+
+def _np_beam_search(p, cfg, embed, h, g0, W, L):
+  """Textbook beam search: joint top-W over all W*V extensions, scores start [0, -5e4...]."""
+  beams = [[g0] for _ in range(W)]
+  scores = np.array([0.0] + [-5e4] * (W - 1))
+  logps = [[] for _ in range(W)]
+  states = np.zeros((W, D))
+  for _ in range(L - 1):
+    prev = np.array([b[-1] for b in beams])
+    lp, states = _np_step(p, cfg, np.tile(h, (W, 1)), states, embed[prev])
+    cand = (scores[:, None] + lp).reshape(-1)
+    top = np.argsort(-cand, kind="stable")[:W]
+    parent, token = top // V, top % V
+    beams = [beams[a] + [int(t)] for a, t in zip(parent, token)]
+    logps = [logps[a] + [float(lp[a, t])] for a, t in zip(parent, token)]
+    scores, states = cand[top], states[parent]
+  return np.array(beams), np.array(logps), scores
+
+
+@pytest.mark.parametrize("exit_dim,rnn,top_k", [(2 * D, True, None), (12, True, None),
+                                                (12, False, None), (12, True, 5)])
+def test_drafter_step_matches_numpy(exit_dim, rnn, top_k):
+  d = _drafter(exit_dim, rnn, top_k=top_k)
+  p = {k: np.asarray(v, np.float64) for k, v in flat_params(d).items()}
+  assert ("input_proj.kernel" in p) == (exit_dim != 2 * D)
+  rng = np.random.default_rng(1)
+  h, s, emb = (rng.normal(size=(3, D)) for _ in range(3))
+  logp, s_new = d.step(jnp.asarray(h, jnp.float32), jnp.asarray(s, jnp.float32),
+                       jnp.asarray(emb, jnp.float32))
+  ref_logp, ref_s = _np_step(p, d.config, h, s, emb)
+  np.testing.assert_allclose(s_new, ref_s, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logp, ref_logp, rtol=1e-4, atol=1e-4)
+
+
+def test_reference_top_k_cut():
+  x = jnp.asarray([[3.0, 1.0, 2.0, -1.0, 0.5]])
+  np.testing.assert_allclose(reference_top_k_cut(x, 2), [[0.0, -5e4, -1.0, -5e4, -5e4]])
+
+
+@pytest.mark.parametrize("W,L,rnn,exit_dim", [(1, 4, True, 12), (4, 4, True, 12),
+                                              (6, 5, False, 2 * D), (3, 2, True, 12)])
+def test_beam_search_matches_numpy(W, L, rnn, exit_dim):
+  d = _drafter(exit_dim, rnn, seed=W + L)
+  p = {k: np.asarray(v, np.float64) for k, v in flat_params(d).items()}
+  rng = np.random.default_rng(7)
+  B = 3
+  embed = rng.normal(size=(V, D))
+  h = rng.normal(size=(B, D))
+  g0 = rng.integers(0, V, size=B)
+  out = beam_search(d, jnp.asarray(embed, jnp.float32), jnp.asarray(h, jnp.float32),
+                    jnp.asarray(g0, jnp.int32), beam_width=W, beam_length=L, return_full=True)
+  assert out.beams_BWL.shape == (B, W, L) and out.logp_BWL1.shape == (B, W, L - 1)
+  for b in range(B):
+    beams, logps, scores = _np_beam_search(p, d.config, embed, h[b], int(g0[b]), W, L)
+    np.testing.assert_array_equal(out.beams_BWL[b], beams)
+    np.testing.assert_allclose(out.logp_BWL1[b], logps, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.score_BW[b], scores, rtol=1e-4, atol=1e-4)
+  # The full distributions along each beam give back the chosen tokens' log-probs.
+  picked = jnp.take_along_axis(out.full_logp_BWL1V, out.beams_BWL[:, :, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(picked, out.logp_BWL1, rtol=1e-6)
+
+
+def test_beam_search_first_step_grows_distinct_children():
+  d = _drafter(12, True, seed=3)
+  out = beam_search(d, jax.random.normal(jax.random.key(0), (V, D)), jnp.ones((1, D)),
+                    jnp.asarray([5]), beam_width=6, beam_length=2)
+  firsts = np.asarray(out.beams_BWL[0, :, 1])
+  assert len(set(firsts.tolist())) == 6  # W distinct children of the single root
+  assert (np.diff(np.asarray(out.score_BW[0])) <= 0).all()  # best beam first

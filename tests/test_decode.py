@@ -1,0 +1,153 @@
+"""ReDrafter decode on a tiny random model: exactness vs AR, cache commits, batching, tracing."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from oracle import OracleDrafter
+from redrafter_jax import decode as decode_lib
+from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig, LlamaConfig
+from redrafter_jax.decode import decode, decode_stepwise
+from redrafter_jax.generate import GenerateError, generate
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
+
+V = 64
+CFG = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return Llama(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def drafter():
+  return Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48), rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(llm):
+  return generate(llm, PROMPTS, max_new_tokens=24)
+
+
+@pytest.mark.parametrize("W,L", [(1, 2), (4, 4), (3, 5), (8, 3)])
+def test_random_drafter_greedy_equals_ar(llm, drafter, ar_greedy, W, L):
+  result = decode(llm, drafter, PROMPTS, DecodeConfig(beam_width=W, beam_length=L,
+                                                      max_new_tokens=24))
+  assert result.tokens == ar_greedy.tokens
+
+
+@pytest.mark.parametrize("W,L,budget", [(3, 4, None), (4, 5, None), (4, 5, 9), (2, 6, 6)])
+def test_oracle_drafter_every_accept_length(llm, ar_greedy, W, L, budget):
+  """Drafts that ARE accepted: multi-token commits must keep the output identical to AR."""
+  oracle = OracleDrafter(np.asarray([t for t in ar_greedy.tokens]), V)
+  cfg = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=24, token_budget=budget)
+  seen = []
+  result = decode_stepwise(llm, oracle, PROMPTS, cfg,
+                           on_step=lambda s: seen.append(np.asarray(s.metrics.accept_hist_BL)))
+  assert result.tokens == ar_greedy.tokens
+  hist = np.asarray(result.metrics["accepted_length_histogram"])
+  if budget is None:
+    # The planted error depth cycles through 1..L, so every accepted length occurs.
+    assert (hist > 0).all(), hist
+  else:
+    assert hist.sum() == result.metrics["steps"] and hist[0] > 0 and hist[1:].sum() > 0
+  # The jitted while_loop gives the same tokens and statistics as its Python-loop twin.
+  looped = decode(llm, oracle, PROMPTS, cfg)
+  assert looped.tokens == result.tokens
+  assert looped.metrics == result.metrics
+
+
+def test_oracle_accepts_exactly_the_planted_prefix(llm, ar_greedy):
+  W, L = 3, 4
+  oracle = OracleDrafter(np.asarray(ar_greedy.tokens), V)
+  cfg = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=24)
+  hist_before = [np.zeros((len(PROMPTS), L), int)]
+  step = [0]
+
+  def check(state):
+    hist = np.asarray(state.metrics.accept_hist_BL)
+    delta = hist - hist_before[-1]
+    hist_before.append(hist)
+    planted = (step[0] + np.arange(len(PROMPTS))) % L  # accepted = planted depth - 1
+    for b in range(len(PROMPTS)):
+      if delta[b].sum():  # row was active this step
+        assert delta[b, planted[b]] == 1, (step[0], b, delta[b])
+    step[0] += 1
+
+  decode_stepwise(llm, oracle, PROMPTS, cfg, on_step=check)
+  assert step[0] > 3
+
+
+def test_tokens_per_step_and_metrics_consistent(llm, ar_greedy):
+  oracle = OracleDrafter(np.asarray(ar_greedy.tokens), V)
+  r = decode(llm, oracle, PROMPTS, DecodeConfig(beam_width=4, beam_length=5, max_new_tokens=24))
+  m = r.metrics
+  assert sum(m["accepted_length_histogram"]) == m["steps"] == sum(m["steps_per_row"])
+  expected = (m["accepted_tokens"] + m["steps"]) / m["steps"]
+  assert m["tokens_per_step"] == pytest.approx(expected)
+  assert m["tokens_per_step"] > 2.0  # the oracle's accepted lengths cycle 0..4: mean 3
+  assert 1 <= m["mean_tree_tokens"] <= 4 * 4 + 1
+  assert 0 < m["dedup_saving"] < 1
+  rates = m["per_depth_acceptance"]
+  assert len(rates) == 4 and all(0 <= r <= 1 for r in rates)
+
+
+def test_batched_rows_finish_independently(llm, drafter, ar_greedy):
+  # Use a token that row 0 emits early as a stop token: row 0 finishes first, others go on.
+  stop = ar_greedy.tokens[0][2]
+  ar = generate(llm, PROMPTS, max_new_tokens=24, stop_ids=[stop])
+  r = decode(llm, drafter, PROMPTS, DecodeConfig(beam_width=4, beam_length=4, max_new_tokens=24),
+             stop_ids=[stop])
+  assert r.tokens == ar.tokens
+  assert r.stopped == ar.stopped
+  lengths = [len(t) for t in r.tokens]
+  assert lengths[0] == 3 and max(lengths) > 3
+  # Per-row: each row alone decodes the same tokens as inside the batch.
+  for i, prompt in enumerate(PROMPTS):
+    alone = decode(llm, drafter, [prompt], DecodeConfig(beam_width=4, beam_length=4,
+                                                        max_new_tokens=24), stop_ids=[stop])
+    assert alone.tokens[0] == r.tokens[i]
+
+
+def test_decode_traced_once_per_shape(llm, drafter):
+  cfg = DecodeConfig(beam_width=2, beam_length=3, max_new_tokens=9)
+  before = decode_lib.TRACE_COUNT["decode"]
+  decode(llm, drafter, [[1, 2, 3], [4, 5]], cfg)
+  after_first = decode_lib.TRACE_COUNT["decode"]
+  # Same static shape (prompt length rounds to the same bucket), other prompts, seed and
+  # temperature: no retrace, and the loop runs many steps inside one compiled program.
+  r = decode(llm, drafter, [[9, 8, 7, 6], [3]], cfg, seed=3, temperature=0.8)
+  decode(llm, drafter, [[5, 5], [6, 6, 6]], cfg, temperature=0.0)
+  assert after_first == before + 1
+  assert decode_lib.TRACE_COUNT["decode"] == after_first
+  assert r.steps > 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(beam_width=0), "beam_width"),
+    (dict(beam_length=1), "beam_length"),
+    (dict(beam_width=4, beam_length=4, token_budget=3), "token_budget"),
+    (dict(beam_width=4, beam_length=4, token_budget=14), "token_budget"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(acceptance="magic"), "acceptance"),
+])
+def test_bad_decode_config(kwargs, match):
+  with pytest.raises(ConfigError, match=match):
+    DecodeConfig(**kwargs)
+
+
+def test_bad_inputs(llm, drafter):
+  cfg = DecodeConfig(beam_width=2, beam_length=3, max_new_tokens=8)
+  with pytest.raises(GenerateError, match="empty"):
+    decode(llm, drafter, [[1, 2], []], cfg)
+  with pytest.raises(GenerateError, match="temperature"):
+    decode(llm, drafter, [[1, 2]], cfg, temperature=-0.5)
+  other = Drafter(DrafterConfig(vocab_size=V + 1, hidden_size=32, exit_dim=16), rngs=nnx.Rngs(0))
+  with pytest.raises(GenerateError, match="does not match the LLM"):
+    decode(llm, other, [[1, 2]], cfg)
+  with pytest.raises(GenerateError, match="context"):
+    decode(llm, drafter, [[1] * 8190], cfg)

@@ -1,0 +1,131 @@
+"""Acceptance rules: exact tree sampling reproduces AR sampling; the reference rule does not."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from redrafter_jax import sampling
+from redrafter_jax import tree as tree_lib
+from redrafter_jax import verify
+from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
+from redrafter_jax.decode import decode
+from redrafter_jax.generate import generate
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
+
+V = 8
+K = 3  # compare the joint distribution of the first K generated tokens
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def llm():
+  cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  # Flatten the random model so distributions are neither near-uniform nor one-hot, and
+  model.embed_tokens.embedding[...] = model.embed_tokens.embedding[...] * 0.7
+  return model
+
+
+@pytest.fixture(scope="module")
+def drafter():
+  return Drafter(DrafterConfig(vocab_size=V, hidden_size=16, exit_dim=12), rngs=nnx.Rngs(5))
+
+
+def exact_ar_probs(llm, temperature, top_p, top_k):
+  """P(x1, ..., xK) of AR sampling, by enumerating every sequence (V**K of them)."""
+  seqs = np.array(list(itertools.product(range(V), repeat=K - 1)))  # [V**(K-1), K-1]
+  tokens = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
+  T = tokens.shape[1]
+  logits, _, _ = llm(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(T), tokens.shape),
+                     jnp.tril(jnp.ones((len(seqs), T, T), bool)), None)
+  params = sampling.SamplingParams.make(len(seqs), temperature, top_p, top_k)
+  logp = np.asarray(sampling.target_logprobs(logits[:, len(PROMPT) - 1:], params,
+                                             filtered=sampling.needs_filter(top_p, top_k)))
+  # Row r holds prefix x1..x(K-1); its position k predicts x(k+1) given x1..xk.
+  probs = {}
+  for row, prefix in enumerate(seqs):
+    for last in range(V):
+      seq = tuple(int(x) for x in prefix) + (last,)
+      probs[seq] = float(np.exp(sum(logp[row, k, seq[k]] for k in range(K))))
+  return probs
+
+
+def chi_square_pvalue(samples, probs):
+  n = len(samples)
+  keys = sorted(probs)
+  counts = {k: 0 for k in keys}
+  for s in samples:
+    counts[tuple(s)] += 1
+  expected = np.array([probs[k] * n for k in keys])
+  observed = np.array([counts[k] for k in keys], float)
+  assert abs(expected.sum() - n) < 1e-3 * n
+  # Outcomes that top-k/top-p exclude must never occur; then pool rare outcomes into one bin
+  # so the chi-square approximation holds.
+  impossible = expected == 0
+  assert observed[impossible].sum() == 0, "sampled a sequence of probability zero"
+  expected, observed = expected[~impossible], observed[~impossible]
+  rare = expected < 5
+  exp_b, obs_b = expected[~rare], observed[~rare]
+  if rare.any():
+    exp_b = np.append(exp_b, expected[rare].sum())
+    obs_b = np.append(obs_b, observed[rare].sum())
+  exp_b *= obs_b.sum() / exp_b.sum()  # float32 probabilities sum to 1 only to ~1e-7
+  return stats.chisquare(obs_b, exp_b).pvalue
+
+
+SETTINGS = [dict(temperature=1.0, top_p=1.0, top_k=0), dict(temperature=0.7, top_p=0.9, top_k=5)]
+N_SAMPLES = 12000
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_exact_rule_matches_ar_distribution_and_reference_rule_fails(llm, drafter, setting):
+  probs = exact_ar_probs(llm, **setting)
+  assert abs(sum(probs.values()) - 1) < 1e-4
+  prompts = [PROMPT] * N_SAMPLES
+  # AR sampling itself passes the test (calibrates it).
+  ar = generate(llm, prompts, max_new_tokens=K, seed=1, **setting)
+  assert chi_square_pvalue(ar.tokens, probs) > 1e-4
+  cfg = DecodeConfig(beam_width=3, beam_length=3, max_new_tokens=K, acceptance="exact")
+  exact = decode(llm, drafter, prompts, cfg, seed=2, **setting)
+  assert exact.metrics["accepted_tokens"] > N_SAMPLES // 4  # the tree path really is used
+  assert chi_square_pvalue(exact.tokens, probs) > 1e-4
+  # The reference implementation's rule is biased towards drafted tokens: the test bites.
+  ref_cfg = DecodeConfig(beam_width=3, beam_length=3, max_new_tokens=K, acceptance="reference")
+  wrong = decode(llm, drafter, prompts, ref_cfg, seed=2, **setting)
+  assert chi_square_pvalue(wrong.tokens, probs) < 1e-8
+
+
+def test_typical_acceptance_at_temperature_zero_is_greedy(llm, drafter):
+  prompts = [PROMPT, [5, 6], [7]]
+  ar = generate(llm, prompts, max_new_tokens=12)
+  cfg = DecodeConfig(beam_width=3, beam_length=4, max_new_tokens=12, acceptance="typical")
+  assert decode(llm, drafter, prompts, cfg).tokens == ar.tokens
+
+
+def test_exact_walk_on_hand_made_tree():
+  """Greedy verdict on a known tree: accept the argmax child at each level, then the argmax."""
+  beams = jnp.asarray([[[1, 2, 3], [1, 4, 5], [1, 2, 6]]])
+  t = tree_lib.pack(beams, 7)  # slots by depth then beam: 1 | 2 4 | 3 5 6
+  logits = jnp.full((1, 7, V), -10.0)
+  logits = logits.at[0, 0, 2].set(5.0)  # after root: 2 (accept beam 0/2's token)
+  logits = logits.at[0, 1, 6].set(5.0)  # after 1,2: 6 (the beam-2 child)
+  logits = logits.at[0, 5, 7].set(5.0)  # after 1,2,6: 7 (bonus token)
+  params = sampling.SamplingParams.make(1)
+  v = verify.verify_exact(jax.random.key(0), t, logits, params, beam_length=3, filtered=False)
+  assert int(v.num_accepted_B[0]) == 2
+  np.testing.assert_array_equal(v.tokens_BA[0], [2, 6, 7])
+  np.testing.assert_array_equal(v.path_BA[0], [0, 1, 5])
+  assert int(v.end_slot_B[0]) == 5
+  # A rejection at the first level: the argmax (3) is not a child of the root.
+  logits2 = logits.at[0, 0, 2].set(-10.0).at[0, 0, 3].set(5.0)
+  v2 = verify.verify_exact(jax.random.key(0), t, logits2, params, beam_length=3, filtered=False)
+  assert int(v2.num_accepted_B[0]) == 0
+  np.testing.assert_array_equal(v2.tokens_BA[0, :1], [3])
+  assert int(v2.end_slot_B[0]) == 0
