@@ -39,6 +39,7 @@ class OracleDrafter(nnx.Module):
                              true_BL1[:, None, :])
     beams_BWL = jnp.concatenate(
         [jnp.broadcast_to(state.g0_B[:, None, None], (B, W, 1)), drafted_BWL1], axis=2)
-    zeros = jnp.zeros((B, W, L - 1), jnp.float32)
-    return BeamOutput(beams_BWL=beams_BWL.astype(jnp.int32), logp_BWL1=zeros,
-                      score_BW=zeros.sum(-1), full_logp_BWL1V=None)
+    # Beam w is scored as less likely than beam w-1 (as a beam search would rank them).
+    logp_BWL1 = jnp.broadcast_to(-0.01 * (1 + jnp.arange(W))[None, :, None], (B, W, L - 1))
+    return BeamOutput(beams_BWL=beams_BWL.astype(jnp.int32), logp_BWL1=logp_BWL1,
+                      score_BW=logp_BWL1.sum(-1), full_logp_BWL1V=None)

@@ -125,3 +125,51 @@ def test_beam_search_first_step_grows_distinct_children():
   firsts = np.asarray(out.beams_BWL[0, :, 1])
   assert len(set(firsts.tolist())) == 6  # W distinct children of the single root
   assert (np.diff(np.asarray(out.score_BW[0])) <= 0).all()  # best beam first
+
+
+def test_restricted_draft_vocab_drafts_only_top_ranked_tokens():
+  """A restricted drafter equals beam search over the full one with other tokens forbidden."""
+  from redrafter_jax.models.drafter import restrict_vocab
+
+  d = _drafter(12, True, seed=11)
+  ranking = np.random.default_rng(0).permutation(V).astype(np.int32)
+  d.token_ranking[...] = jnp.asarray(ranking)
+  K = 10
+  small = restrict_vocab(d, K)
+  assert small.lm_head[-1].kernel.shape == (12, K)
+  assert d.lm_head[-1].kernel.shape == (12, V)  # the original is untouched
+  p = {k: np.asarray(v, np.float64) for k, v in flat_params(d).items()}
+  p[f"lm_head.{d.config.num_draft_layers}.kernel"] = p[f"lm_head.{d.config.num_draft_layers}.kernel"][:, ranking[:K]]
+  rng = np.random.default_rng(2)
+  embed = rng.normal(size=(V, D))
+  h = rng.normal(size=(2, D))
+  g0 = np.array([3, 30])
+  out = beam_search(small, jnp.asarray(embed, jnp.float32), jnp.asarray(h, jnp.float32),
+                    jnp.asarray(g0, jnp.int32), beam_width=4, beam_length=4)
+  assert np.isin(np.asarray(out.beams_BWL[:, :, 1:]), ranking[:K]).all()
+  # NumPy: the same search over the K-token head, mapping rows back to token ids.
+  cfg_k = DrafterConfig(vocab_size=K, hidden_size=D, exit_dim=12, num_draft_layers=2, rnn=True)
+  embed_k = embed[ranking[:K]]
+  for b in range(2):
+    beams_k, logps, _ = _np_beam_search_ids(p, cfg_k, embed, h[b], int(g0[b]), 4, 4, ranking[:K])
+    np.testing.assert_array_equal(out.beams_BWL[b], beams_k)
+    np.testing.assert_allclose(out.logp_BWL1[b], logps, rtol=1e-4, atol=1e-4)
+  del embed_k
+
+
+def _np_beam_search_ids(p, cfg, embed, h, g0, W, L, ids):
+  beams = [[g0] for _ in range(W)]
+  scores = np.array([0.0] + [-5e4] * (W - 1))
+  logps = [[] for _ in range(W)]
+  states = np.zeros((W, D))
+  K = len(ids)
+  for _ in range(L - 1):
+    prev = np.array([b[-1] for b in beams])
+    lp, states = _np_step(p, cfg, np.tile(h, (W, 1)), states, embed[prev])
+    cand = (scores[:, None] + lp).reshape(-1)
+    top = np.argsort(-cand, kind="stable")[:W]
+    parent, row = top // K, top % K
+    beams = [beams[a] + [int(ids[r])] for a, r in zip(parent, row)]
+    logps = [logps[a] + [float(lp[a, r])] for a, r in zip(parent, row)]
+    scores, states = cand[top], states[parent]
+  return np.array(beams), np.array(logps), scores

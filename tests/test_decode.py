@@ -151,3 +151,16 @@ def test_bad_inputs(llm, drafter):
     decode(llm, other, [[1, 2]], cfg)
   with pytest.raises(GenerateError, match="context"):
     decode(llm, drafter, [[1] * 8190], cfg)
+
+
+def test_restricted_draft_vocab_keeps_greedy_exact(llm, ar_greedy):
+  # Rank the tokens the model actually emits first, so restricted drafts can be accepted.
+  d = Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48), rngs=nnx.Rngs(4))
+  emitted = [t for row in ar_greedy.tokens for t in row]
+  counts = np.bincount(emitted, minlength=V)
+  d.token_ranking[...] = np.argsort(-counts, kind="stable").astype(np.int32)
+  cfg = DecodeConfig(beam_width=4, beam_length=4, max_new_tokens=24, draft_vocab_size=8)
+  r = decode(llm, d, PROMPTS, cfg)
+  assert r.tokens == ar_greedy.tokens
+  with pytest.raises(ConfigError, match="reference"):
+    DecodeConfig(draft_vocab_size=8, acceptance="reference")

@@ -38,19 +38,22 @@ def _random_beams(rng, B, W, L, vocab):
   return beams
 
 
-def _brute_force_checks(beams, t):
+def _brute_force_checks(beams, t, scores=None):
   """Compare every packed structure against definitions computed by plain Python."""
   B, W, L = beams.shape
   N = t.size
   for b in range(B):
-    prefixes = {}
-    order = []
+    first = {}
     for j in range(L):  # breadth-first: depth, then beam index
       for i in range(W):
         key = tuple(beams[b, i, :j + 1])
-        if key not in prefixes:
-          prefixes[key] = len(order)
-          order.append(key)
+        if key not in first:
+          first[key] = (len(first), i, j)
+    # Best prefix score first; ties keep breadth-first order.
+    order = sorted(first, key=lambda k: (0.0 if scores is None else -scores[b, first[k][1],
+                                                                            first[k][2]],
+                                         first[k][0]))
+    prefixes = {key: n for n, key in enumerate(order)}
     assert int(t.num_unique_B[b]) == len(order)
     kept = order[:N]
     valid = np.asarray(t.valid_BN[b])
@@ -84,6 +87,24 @@ def test_pack_matches_brute_force(W, L, vocab, budget):
   usable = np.arange(L)[None, None, :] < np.asarray(t.beam_len_BW)[:, :, None]
   np.testing.assert_array_equal(restored[usable], beams[usable])
   assert (restored[~usable] == -1).all()
+
+
+@pytest.mark.parametrize("budget", [6, 10, 33])
+def test_pack_by_score_keeps_most_likely_nodes(budget):
+  rng = np.random.default_rng(budget)
+  B, W, L = 5, 8, 5
+  beams = _random_beams(rng, B, W, L, 3)
+  logp = -rng.exponential(size=(B, W, L - 1))
+  # Beams sharing a prefix share its log-probs (as beam search produces them).
+  for b in range(B):
+    for i in range(W):
+      for k in range(i):
+        for j in range(1, L):
+          if (beams[b, i, :j + 1] == beams[b, k, :j + 1]).all():
+            logp[b, i, j - 1] = logp[b, k, j - 1]
+  scores = np.concatenate([np.zeros((B, W, 1)), np.cumsum(logp, axis=2)], axis=2)
+  t = tree_lib.pack(jnp.asarray(beams), budget, jnp.asarray(scores, jnp.float32))
+  _brute_force_checks(beams, t, scores.astype(np.float32))
 
 
 def test_tree_attention_equals_per_beam_attention():

@@ -29,14 +29,16 @@ class BeamOutput:
   beams_BWL: jax.Array  # int32, g0 in column 0
   logp_BWL1: jax.Array  # float32, drafter log-prob of each drafted token along its beam
   score_BW: jax.Array  # float32, sum of logp along the beam (beams are sorted by it, best first)
-  full_logp_BWL1V: jax.Array | None = None  # drafter distributions (only when asked for)
+  # Drafter distributions along the beams (only when asked for; over the draft vocabulary).
+  full_logp_BWL1V: jax.Array | None = None
 
 
 def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: jax.Array, *,
                 beam_width: int, beam_length: int, return_full: bool = False) -> BeamOutput:
   B, D = h_BD.shape
   W, L = beam_width, beam_length
-  V = embed_VD.shape[0]
+  vocab_ids = drafter.vocab_ids[...] if drafter.vocab_ids is not None else None
+  V = vocab_ids.shape[0] if vocab_ids is not None else embed_VD.shape[0]
   h_BWD = jnp.broadcast_to(h_BD[:, None, :], (B, W, D))
   score_BW = jnp.tile(jnp.asarray([0.0] + [LOG_ZERO] * (W - 1), jnp.float32), (B, 1))
   beams_BWL = jnp.zeros((B, W, L), jnp.int32).at[:, :, 0].set(g0_B[:, None])
@@ -55,6 +57,8 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
     score_BW, pick_BW = jax.lax.top_k(cand_BX, W)
     parent_BW = pick_BW // W
     token_BW = jnp.take_along_axis(tok_BWW.reshape(B, W * W), pick_BW, axis=1)
+    if vocab_ids is not None:  # restricted draft vocabulary: output row -> token id
+      token_BW = vocab_ids[token_BW]
     token_logp_BW = jnp.take_along_axis(tok_logp_BWW.reshape(B, W * W), pick_BW, axis=1)
     beams_BWL = gather(beams_BWL, parent_BW)
     beams_BWL = jax.lax.dynamic_update_index_in_dim(beams_BWL, token_BW, t + 1, axis=2)

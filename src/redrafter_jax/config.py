@@ -207,6 +207,8 @@ class DecodeConfig:
   typical_eps: float = 0.09
   typical_delta: float = 0.3
   token_budget: int | None = None  # N; None means W*(L-1)+1 (never truncates the tree)
+  # Draft only the K most frequent tokens (the drafter's token ranking); 0 = the whole vocab.
+  draft_vocab_size: int = 0
   cache_size: int | None = None  # S; None means prompt + max_new_tokens + L, rounded up
 
   def __post_init__(self):
@@ -226,6 +228,14 @@ class DecodeConfig:
       raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
     if self.acceptance not in ACCEPTANCE_RULES:
       raise ConfigError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+    if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+      raise ConfigError(f"draft_vocab_size must be an integer >= 0, got {self.draft_vocab_size!r}")
+    if self.draft_vocab_size and self.acceptance == "reference":
+      raise ConfigError("acceptance='reference' needs the drafter's full-vocabulary distribution; "
+                        "set draft_vocab_size=0")
+    if self.draft_vocab_size and self.draft_vocab_size < self.beam_width:
+      raise ConfigError(f"draft_vocab_size ({self.draft_vocab_size}) must be >= beam_width "
+                        f"({self.beam_width})")
     if self.token_budget is not None:
       lo = self.beam_length
       hi = self.beam_width * (self.beam_length - 1) + 1
@@ -236,6 +246,14 @@ class DecodeConfig:
 
   @property
   def num_tree_tokens(self) -> int:
+    if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+      raise ConfigError(f"draft_vocab_size must be an integer >= 0, got {self.draft_vocab_size!r}")
+    if self.draft_vocab_size and self.acceptance == "reference":
+      raise ConfigError("acceptance='reference' needs the drafter's full-vocabulary distribution; "
+                        "set draft_vocab_size=0")
+    if self.draft_vocab_size and self.draft_vocab_size < self.beam_width:
+      raise ConfigError(f"draft_vocab_size ({self.draft_vocab_size}) must be >= beam_width "
+                        f"({self.beam_width})")
     if self.token_budget is not None:
       return self.token_budget
     return self.beam_width * (self.beam_length - 1) + 1
@@ -265,12 +283,22 @@ class TrainConfig:
   keep_checkpoints: int = 2
   mesh_data: int = -1  # devices on the data axis; -1 means all
   mesh_model: int = 1  # devices on the model axis (tensor parallel for the frozen LLM)
+  pack: bool = True  # pack several sequences per row (else pad each row to seq_len)
+  loss_chunk: int = 64  # positions per chunk of drafter logits (bounds [B, chunk, n, V] memory)
+  init_drafter: str | None = None  # start from this drafter folder (any drafter_io format)
+  # Train the head on the K most frequent response tokens only (0: all V); decode with
+  # ``restrict_vocab(drafter, K)`` to match. Cuts the dominant [C, V] cost of a step by V/K.
+  vocab_limit: int = 0
 
   def __post_init__(self):
     for name in ("seq_len", "batch_size", "num_steps", "num_draft_steps", "checkpoint_every",
-                 "log_every"):
-      if getattr(self, name) < 1:
-        raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+                 "log_every", "loss_chunk"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise ConfigError(f"train.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+    if not isinstance(self.vocab_limit, int) or self.vocab_limit < 0:
+      raise ConfigError(f"train.vocab_limit must be an integer >= 0, got {self.vocab_limit!r}")
+    if not 0.0 <= self.warmup_fraction <= 1.0:
+      raise ConfigError(f"train.warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":

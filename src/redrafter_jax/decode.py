@@ -29,7 +29,7 @@ from redrafter_jax.beam_search import BeamOutput, beam_search
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.generate import (GenerateError, Output, cache_size_for, check_sampling,
                                     empty_output, pack_prompts, prefill, record)
-from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.drafter import Drafter, restrict_vocab
 from redrafter_jax.models.llama import Llama
 
 
@@ -87,7 +87,8 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig
     beams = beam_search(drafter, llm.embed_tokens.embedding[...], state.h_BD, state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
                         return_full=cfg.acceptance == "reference")
-  return beams, tree_lib.pack(beams.beams_BWL, cfg.num_tree_tokens)
+  prefix_logp_BWL = jnp.pad(jnp.cumsum(beams.logp_BWL1, axis=2), ((0, 0), (0, 0), (1, 0)))
+  return beams, tree_lib.pack(beams.beams_BWL, cfg.num_tree_tokens, prefix_logp_BWL)
 
 
 def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree):
@@ -99,9 +100,20 @@ def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree):
   return llm.logits(hidden_BND), hidden_BND, cache
 
 
+def per_row_keys(rng) -> bool:
+  """Whether ``rng`` holds one key per row (the server: a request's draws must not depend on
+  which other requests share its batch) rather than one key for the whole batch."""
+  return jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.ndim == 1
+
+
 def accept(rng, beams: BeamOutput, tree: tree_lib.Tree, logits_BNV,
            params: sampling.SamplingParams, cfg: DecodeConfig, filtered: bool
            ) -> verify_lib.Verdict:
+  if per_row_keys(rng):  # each row decides alone, as a batch of one with its own key
+    def row(key, one_row):
+      b, t, logits_1NV, p = jax.tree.map(lambda x: x[None], one_row)
+      return jax.tree.map(lambda x: x[0], accept(key, b, t, logits_1NV, p, cfg, filtered))
+    return jax.vmap(row)(rng, (beams, tree, logits_BNV, params))
   # Greedy rows (temperature 0) take the exact rule, which is then the argmax walk.
   if cfg.acceptance == "typical":
     return verify_lib.verify_typical(rng, tree, beams, logits_BNV, params, eps=cfg.typical_eps,
@@ -142,7 +154,11 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
 
 def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.SamplingParams,
          stop_ids, cfg: DecodeConfig, *, filtered: bool) -> DecodeState:
-  rng, key = jax.random.split(state.rng)
+  if per_row_keys(state.rng):
+    keys_B2 = jax.vmap(jax.random.split)(state.rng)
+    rng, key = keys_B2[:, 0], keys_B2[:, 1]
+  else:
+    rng, key = jax.random.split(state.rng)
   state = state.replace(rng=rng)
   beams, tree = draft(llm, drafter, state, cfg)
   logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree)
@@ -151,20 +167,36 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
                 max_new_tokens=cfg.max_new_tokens)
 
 
-TRACE_COUNT = {"decode": 0}  # incremented at trace time: tests assert one trace per shape
+TRACE_COUNT = {"decode": 0}  # incremented when the loop is traced: one trace per static shape
 
 
-@functools.partial(jax.jit, static_argnames=("llm_def", "drafter_def", "cfg", "cache_size",
-                                             "filtered"))
-def _decode(llm_def, llm_state, drafter_def, drafter_state, tokens_BT, lengths_B, params, rng,
-            stop_ids, *, cfg: DecodeConfig, cache_size: int, filtered: bool) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered"))
+def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *, cfg,
+              cache_size, filtered):
+  return init(nnx.merge(llm_def, llm_state), tokens_BT, lengths_B, params, rng, stop_ids,
+              cache_size=cache_size, max_new_tokens=cfg.max_new_tokens,
+              beam_length=cfg.beam_length, filtered=filtered)
+
+
+# The loop is its own program: it depends on (B, S, cfg) but not on the prompt length, so prompts
+# of new lengths only compile the (cheap) prefill again.
+@functools.partial(jax.jit, static_argnames=("llm_def", "drafter_def", "cfg", "filtered"),
+                   donate_argnames=("state",))
+def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
+              filtered):
   TRACE_COUNT["decode"] += 1
   llm, drafter = nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state)
-  state = init(llm, tokens_BT, lengths_B, params, rng, stop_ids, cache_size=cache_size,
-               max_new_tokens=cfg.max_new_tokens, beam_length=cfg.beam_length, filtered=filtered)
   return jax.lax.while_loop(
       lambda s: ~jnp.all(s.done_B),
       lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered), state)
+
+
+@functools.partial(jax.jit, static_argnames=("llm_def", "drafter_def", "cfg", "filtered"),
+                   donate_argnames=("state",))
+def _step_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
+              filtered):
+  return step(nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state), state,
+              params, stop_ids, cfg, filtered=filtered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +236,13 @@ def summarize(m: Metrics, num_B: np.ndarray) -> dict:
       steps_per_row=np.asarray(m.steps_B).tolist())
 
 
+def draft_model(drafter, cfg: DecodeConfig):
+  """The drafter as decoding uses it: restricted to ``cfg.draft_vocab_size`` tokens if set."""
+  if isinstance(drafter, Drafter) and drafter.vocab_ids is None:
+    return restrict_vocab(drafter, cfg.draft_vocab_size)
+  return drafter
+
+
 def static_config(cfg: DecodeConfig) -> DecodeConfig:
   """``cfg`` without the sampling defaults, which travel as arrays: changing a temperature must
   not recompile."""
@@ -239,7 +278,7 @@ def prepare(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg:
   tokens_BT, lengths_B = pack_prompts(prompts)
   extra = cfg.beam_length + cfg.num_tree_tokens
   size = cfg.cache_size or cache_size_for(int(lengths_B.max()), cfg.max_new_tokens, extra,
-                                          llm.config.max_position_embeddings)
+                                          llm.config.max_position_embeddings, multiple=256)
   if size < max(tokens_BT.shape[1], int(lengths_B.max()) + cfg.max_new_tokens + extra):
     raise GenerateError(f"cache_size {size} is too small: need prompt + max_new_tokens + "
                         f"{extra} scratch slots")
@@ -261,27 +300,13 @@ def decode(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg: 
   p = prepare(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids, temperature=temperature,
               top_p=top_p, top_k=top_k)
   llm_def, llm_state = nnx.split(llm)
-  drafter_def, drafter_state = nnx.split(drafter)
-  state = _decode(llm_def, llm_state, drafter_def, drafter_state, p.tokens_BT, p.lengths_B,
-                  p.params, p.rng, p.stop_ids, cfg=static_config(cfg), cache_size=p.cache_size,
-                  filtered=p.filtered)
+  drafter_def, drafter_state = nnx.split(draft_model(drafter, cfg))
+  cfg = static_config(cfg)
+  state = _init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
+                    cfg=cfg, cache_size=p.cache_size, filtered=p.filtered)
+  state = _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, p.params, p.stop_ids,
+                    cfg=cfg, filtered=p.filtered)
   return DecodeResult.from_state(state)
-
-
-@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered"))
-def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *, cfg,
-              cache_size, filtered):
-  return init(nnx.merge(llm_def, llm_state), tokens_BT, lengths_B, params, rng, stop_ids,
-              cache_size=cache_size, max_new_tokens=cfg.max_new_tokens,
-              beam_length=cfg.beam_length, filtered=filtered)
-
-
-@functools.partial(jax.jit, static_argnames=("llm_def", "drafter_def", "cfg", "filtered"),
-                   donate_argnames=("state",))
-def _step_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered):
-  return step(nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state), state,
-              params, stop_ids, cfg, filtered=filtered)
 
 
 def decode_stepwise(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]],
@@ -294,7 +319,7 @@ def decode_stepwise(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int
   p = prepare(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids, temperature=temperature,
               top_p=top_p, top_k=top_k)
   llm_def, llm_state = nnx.split(llm)
-  drafter_def, drafter_state = nnx.split(drafter)
+  drafter_def, drafter_state = nnx.split(draft_model(drafter, cfg))
   cfg = static_config(cfg)
   state = _init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
                     cfg=cfg, cache_size=p.cache_size, filtered=p.filtered)

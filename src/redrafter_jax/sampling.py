@@ -37,7 +37,8 @@ def target_logprobs(logits_BxV: jax.Array, params: SamplingParams, *, filtered: 
 
   ``logits_BxV`` has the batch first and any number of middle axes (e.g. tree tokens).
   ``filtered`` (static) adds the top-k/top-p filter, which costs a vocabulary sort; leave it off
-  when no row uses top-k/top-p. Ties at the cut-off are kept.
+  when no row uses top-k/top-p. Top-k applies first and top-p to the renormalised survivors, as
+  in transformers. Ties at the cut-off are kept.
   Greedy rows get a one-hot (log) distribution at the argmax.
   """
   extra = logits_BxV.ndim - 2
@@ -56,11 +57,12 @@ def target_logprobs(logits_BxV: jax.Array, params: SamplingParams, *, filtered: 
 def _top_k_top_p(scaled_xV, top_k_x1, top_p_x1):
   V = scaled_xV.shape[-1]
   sorted_xV = -jnp.sort(-scaled_xV, axis=-1)  # descending
-  probs_xV = jax.nn.softmax(sorted_xV, axis=-1)
+  in_top_k_xV = jnp.where(top_k_x1 > 0, jnp.arange(V) < top_k_x1, True)
+  # top-p measures mass on what top-k kept, renormalised (the order transformers and vLLM use).
+  probs_xV = jax.nn.softmax(jnp.where(in_top_k_xV, sorted_xV, NEG_INF), axis=-1)
   mass_before_xV = jnp.cumsum(probs_xV, axis=-1) - probs_xV
-  rank_V = jnp.arange(V)
-  keep_xV = mass_before_xV < top_p_x1
-  keep_xV &= jnp.where(top_k_x1 > 0, rank_V < top_k_x1, True)
+  # top_p >= 1 keeps everything top-k kept, even tails whose float mass rounds the sum past 1.
+  keep_xV = in_top_k_xV & ((mass_before_xV < top_p_x1) | (top_p_x1 >= 1.0))
   keep_xV = keep_xV.at[..., 0].set(True)
   # The smallest kept (sorted) value is the threshold; everything below it is dropped.
   threshold_x1 = jnp.min(jnp.where(keep_xV, sorted_xV, jnp.inf), axis=-1, keepdims=True)

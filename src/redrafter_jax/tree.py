@@ -4,10 +4,13 @@
 beam i's. Position (i, j) is a *unique node* when ``k == i``; otherwise it duplicates node
 (k, j). All beams share g0, so column 0 collapses into one root.
 
-Unique nodes are packed breadth-first (by depth, then by beam index, i.e. by beam score) into N
-static slots; padding slots are masked out. Breadth-first order has two useful properties:
-a node's ancestors always precede it (so a budget cut keeps every kept node's path), and the
-children of one node appear in beam order (the order the exact sampler tries siblings in).
+Unique nodes are packed into N static slots, best first: by the drafter's log-probability of the
+node's whole prefix (when given; ties and the no-score case go breadth-first: by depth, then beam
+index). A prefix's score never exceeds its ancestors' (log-probs are <= 0), so a node's ancestors
+always precede it: a budget cut keeps every kept node's whole path, and it keeps the nodes most
+likely to be accepted (for the same budget, a deep node of the best beam beats a shallow node of
+the worst). Padding slots are masked out. Children of one node keep a fixed order (the exact
+sampler tries siblings in slot order).
 """
 
 from __future__ import annotations
@@ -48,17 +51,22 @@ class Tree:
     return self.tokens_BN.shape[1]
 
 
-def pack(beams_BWL: jax.Array, budget: int) -> Tree:
-  """Build the packed tree of ``budget`` = N slots from the beams of each row."""
+def pack(beams_BWL: jax.Array, budget: int, prefix_logp_BWL: jax.Array | None = None) -> Tree:
+  """Build the packed tree of ``budget`` = N slots from the beams of each row.
+
+  ``prefix_logp_BWL[b, i, j]`` (optional) is the drafter's log-probability of beam i's first j+1
+  tokens (0 at the root); it decides which nodes a budget keeps.
+  """
   B, W, L = beams_BWL.shape
   N = budget
   prefix_BWL = dedup_prefix(beams_BWL)
   beam_W = jnp.arange(W)
   depth_L = jnp.arange(L)
   unique_BWL = prefix_BWL == beam_W[None, :, None]
-  # Breadth-first rank: depth-major, beam index minor; duplicates sort last.
-  key_BX = jnp.where(unique_BWL, depth_L[None, None, :] * W + beam_W[None, :, None], W * L)
-  key_BX = key_BX.transpose(0, 2, 1).reshape(B, L * W)  # flattened (depth, beam)
+  # Best first; a stable sort over the (depth, beam)-flattened order breaks ties breadth-first.
+  score_BWL = (jnp.zeros((B, W, L), jnp.float32) if prefix_logp_BWL is None
+               else prefix_logp_BWL.astype(jnp.float32))
+  key_BX = jnp.where(unique_BWL, -score_BWL, jnp.inf).transpose(0, 2, 1).reshape(B, L * W)
   order_BX = jnp.argsort(key_BX, axis=1, stable=True)
   slot_of_BX = jnp.argsort(order_BX, axis=1).astype(jnp.int32)  # inverse permutation
   num_unique_B = unique_BWL.sum(axis=(1, 2)).astype(jnp.int32)

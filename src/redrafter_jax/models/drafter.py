@@ -12,7 +12,14 @@ Wiring (the reference implementation's code, DESIGN §5), for one beam at draft 
 ``E`` is the LLM's input embedding table, passed in (it is not part of the drafter's weights).
 Parameter names and shapes follow the reference's safetensors keys (``lm_head.{i}.linear``,
 ``lm_head.{n}``, ``rnn_u``, ``rnn_w``, ``input_proj``), so export is a transpose per tensor.
+
+Draft vocabulary. On a CPU the drafter's cost is reading its ``[C, V]`` vocabulary projection
+once per beam-search step (memory-bound: 100 MB at C=512, V=49152, fp32). ``token_ranking``
+(token ids by frequency in the distillation data, saved beside the weights) lets
+``restrict_vocab(drafter, K)`` keep only the K most frequent tokens' rows: drafts can then only
+use those tokens, which costs little acceptance and no exactness (verification is unchanged).
 """
+
 
 from __future__ import annotations
 
@@ -23,6 +30,10 @@ from flax import nnx
 from redrafter_jax.config import DrafterConfig
 
 REFERENCE_CUT_VALUE = -5e4
+
+
+class TokenRanking(nnx.Variable):
+  """Token ids, most frequent first (not a trained parameter; not in the reference weights)."""
 
 
 class ResBlock(nnx.Module):
@@ -51,6 +62,9 @@ class Drafter(nnx.Module):
     if cfg.rnn:
       self.rnn_u = lin(D, D, True)
       self.rnn_w = lin(D, D, False)
+    self.token_ranking = TokenRanking(jnp.arange(V, dtype=jnp.int32))
+    # Set by ``restrict_vocab``: the token id of each output row.
+    self.vocab_ids = nnx.data(None)
 
   def init_state(self, h_xD: jax.Array) -> jax.Array:
     return jnp.zeros_like(h_xD, self.dtype)
@@ -95,6 +109,25 @@ class Drafter(nnx.Module):
     return jnp.stack(out, axis=-2)
 
 
+def restrict_vocab(drafter: Drafter, size: int) -> Drafter:
+  """A copy of ``drafter`` whose head scores only the ``size`` top-ranked tokens.
+
+  ``size`` of 0 or >= V returns ``drafter`` unchanged. The copy's log-probs are over those tokens
+  (renormalised), and ``vocab_ids`` maps its output rows back to token ids.
+  """
+  V = drafter.config.vocab_size
+  if size <= 0 or size >= V:
+    return drafter
+  if drafter.vocab_ids is not None:
+    raise ValueError("drafter vocabulary is already restricted")
+  out = nnx.clone(drafter)
+  ids_K = jnp.asarray(drafter.token_ranking[...][:size], jnp.int32)
+  head = out.lm_head[-1]
+  head.kernel = nnx.Param(jnp.take(head.kernel[...], ids_K, axis=1))
+  out.vocab_ids = nnx.Variable(ids_K)
+  return out
+
+
 def reference_top_k_cut(logits_xV: jax.Array, k: int) -> jax.Array:
   """The reference's cut: subtract the row max, keep the top-k logits, set the rest to -5e4."""
   logits_xV = logits_xV - jnp.max(logits_xV, axis=-1, keepdims=True)
@@ -107,4 +140,7 @@ def init_drafter(cfg: DrafterConfig, *, seed: int = 0, dtype=jnp.float32) -> Dra
 
 
 def abstract_drafter(cfg: DrafterConfig, *, dtype=jnp.float32) -> Drafter:
-  return nnx.eval_shape(lambda: Drafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  """Shape-only parameters to load weights into; the token ranking defaults to id order."""
+  drafter = nnx.eval_shape(lambda: Drafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  drafter.token_ranking = TokenRanking(jnp.arange(cfg.vocab_size, dtype=jnp.int32))
+  return drafter

@@ -44,6 +44,9 @@ WEIGHTS_FILE = "model.safetensors"
 TRTLLM_WEIGHTS_FILE = "rank0.safetensors"
 MODEL_TYPE = "recurrent_drafting_drafter"
 TRTLLM_ARCHITECTURE = "ReDrafterForCausalLM"
+# Our sidecar: token ids by frequency in the distillation data (the draft vocabulary's order).
+# Not part of any reference format, so strict loaders of model.safetensors never see it.
+RANKING_FILE = "token_ranking.json"
 
 # Fields the reference's (transformers) config carries that do not change the drafter's math.
 _REFERENCE_EXTRA_FIELDS = ("num_lookback_tokens", "auto_map")
@@ -142,6 +145,10 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
              for name, value in table.export_arrays(flat_params(drafter)).items()}
   config = _config_json(cfg, format, dtype)
   weights_file = TRTLLM_WEIGHTS_FILE if format == "trtllm" else WEIGHTS_FILE
+  if drafter.vocab_ids is not None:
+    raise ConfigError("cannot export a drafter with a restricted draft vocabulary; export the "
+                      "full drafter (restriction is an inference-time option)")
+  ranking = np.asarray(drafter.token_ranking[...]).tolist()
 
   def write(folder: pathlib.Path):
     from safetensors.numpy import save_file
@@ -149,6 +156,8 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
     # "pt" lets transformers' from_pretrained (the reference's PyTorch loader) accept the file.
     save_file(tensors, str(folder / weights_file), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if ranking != list(range(cfg.vocab_size)):
+      (folder / RANKING_FILE).write_text(json.dumps({"token_ranking": ranking}) + "\n")
 
   out = _write_atomically(pathlib.Path(out_dir), write, overwrite=overwrite)
   log.info("wrote %s drafter (%s, %d tensors) to %s", format, dtype, len(tensors), out)
@@ -326,6 +335,25 @@ def read_drafter(path) -> tuple[str, str, DrafterConfig, dict[str, np.ndarray]]:
 def load_drafter(path, *, dtype=jnp.float32) -> Drafter:
   """A ``Drafter`` from a folder in any supported format (detected from config and names)."""
   fmt, layout, cfg, arrays = read_drafter(path)
+  arrays = dict(arrays, token_ranking=read_token_ranking(path, cfg.vocab_size))
   drafter = load_into(abstract_drafter(cfg, dtype=dtype), arrays, dtype=dtype, source=str(path))
   log.info("loaded drafter from %s (%s layout; %s)", path, layout, _describe(cfg))
   return drafter
+
+
+def read_token_ranking(path, vocab_size: int) -> np.ndarray:
+  """The saved token ranking, or token-id order when the folder has none (e.g. Apple's)."""
+  folder = pathlib.Path(path)
+  folder = folder.parent if folder.is_file() else folder
+  file = folder / RANKING_FILE
+  if not file.is_file():
+    return np.arange(vocab_size, dtype=np.int32)
+  try:
+    ranking = np.asarray(json.loads(file.read_text())["token_ranking"], np.int32)
+  except (ValueError, KeyError, TypeError) as e:
+    raise WeightsError(f"{file}: malformed token ranking ({e})") from e
+  if ranking.shape != (vocab_size,) or not np.array_equal(np.sort(ranking),
+                                                          np.arange(vocab_size)):
+    raise WeightsError(f"{file}: token_ranking must be a permutation of the {vocab_size} "
+                       f"token ids")
+  return ranking

@@ -27,12 +27,16 @@ def load_into(abstract_model: nnx.Module, arrays: Mapping[str, np.ndarray], *, d
   """Fill a shape-only module (``nnx.eval_shape``) with ``arrays``; every name must match.
 
   Missing tensors, unexpected tensors and shape mismatches raise ``WeightsError`` naming them.
-  ``sharding`` (optional) maps a dotted name to a ``jax.sharding.Sharding`` for placement.
+  Variables that already hold a concrete value (defaults such as the drafter's token ranking) may
+  be omitted from ``arrays``. ``sharding`` (optional) maps a dotted name to a
+  ``jax.sharding.Sharding`` for placement.
   """
   graphdef, state = nnx.split(abstract_model)
   flat = nnx.to_flat_state(state)
   expected = {_dotted(path): var for path, var in flat}
-  missing = sorted(set(expected) - set(arrays))
+  has_default = {name for name, var in expected.items()
+                 if not isinstance(var.get_value(), jax.ShapeDtypeStruct)}
+  missing = sorted(set(expected) - set(arrays) - has_default)
   unexpected = sorted(set(arrays) - set(expected))
   if missing:
     raise WeightsError(f"{source}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -42,7 +46,7 @@ def load_into(abstract_model: nnx.Module, arrays: Mapping[str, np.ndarray], *, d
   leaves = []
   for path, var in flat:
     name = _dotted(path)
-    value = arrays[name]
+    value = arrays[name] if name in arrays else var.get_value()
     if tuple(value.shape) != tuple(var.shape):
       raise WeightsError(f"{source}: tensor {name!r} has shape {tuple(value.shape)}, the model "
                          f"config expects {tuple(var.shape)}")

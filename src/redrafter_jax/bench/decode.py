@@ -1,0 +1,163 @@
+"""``python -m redrafter_jax.bench decode``: AR vs ReDrafter on Spec-Bench prompts, one run.
+
+Prints, per (W, L): tokens/s of our AR greedy and of ReDrafter greedy on the same prompts
+(interleaved, batch 1), tokens/step, mean packed tree size and dedup saving; then the cost split
+of one decode step (draft = beam search + tree packing; verify = the LLM forward over the tree;
+accept + commit), measured on a real prefilled state, with the overhead ratio
+(draft + accept/commit) / verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from redrafter_jax import decode as dec
+from redrafter_jax.config import DecodeConfig, DrafterConfig
+from redrafter_jax.generate import generate
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
+from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+
+DEFAULT_PROMPTS = pathlib.Path(__file__).resolve().parents[3].parent / "shared/data/spec_bench.jsonl"
+
+
+def load_prompts(path, tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
+  """``n`` prompts spread evenly over the file (so over its categories), chat-templated."""
+  rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+  ids = [encode(tok, r["prompt"], chat=True) for r in rows]
+  ids = [p for p in ids if len(p) <= max_prompt_tokens]
+  step = max(1, len(ids) // n)
+  return ids[::step][:n]
+
+
+def _timed(fn, *args, repeat: int):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeat):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times)) * 1e3
+
+
+def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
+  """Median ms of each part of one decode step, on the state after prefilling ``prompt``."""
+  drafter = dec.draft_model(drafter, cfg)
+  cfg = dec.static_config(cfg)
+  p = dec.prepare(llm, drafter, [prompt], cfg, seed=0, stop_ids=(), temperature=None,
+                  top_p=None, top_k=None)
+  llm_def, llm_state = nnx.split(llm)
+  d_def, d_state = nnx.split(drafter)
+  state = dec._init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
+                        cfg=cfg, cache_size=p.cache_size, filtered=False)
+
+  @jax.jit
+  def draft(llm_state, d_state, state):
+    return dec.draft(nnx.merge(llm_def, llm_state), nnx.merge(d_def, d_state), state, cfg)
+
+  @jax.jit
+  def verify(llm_state, state, tree):
+    return dec.verify_forward(nnx.merge(llm_def, llm_state), state, tree)
+
+  @jax.jit
+  def accept_commit(state, beams, tree, logits, hidden, cache):
+    verdict = dec.accept(state.rng, beams, tree, logits, p.params, cfg, False)
+    return dec.commit(state, cache, verdict, hidden, tree, p.stop_ids,
+                      max_new_tokens=cfg.max_new_tokens)
+
+  beams, tree = draft(llm_state, d_state, state)
+  logits, hidden, cache = verify(llm_state, state, tree)
+  out = dict(draft_ms=_timed(draft, llm_state, d_state, state, repeat=repeat),
+             verify_ms=_timed(verify, llm_state, state, tree, repeat=repeat),
+             accept_commit_ms=_timed(accept_commit, state, beams, tree, logits, hidden, cache,
+                                     repeat=repeat))
+  out["overhead_vs_verify"] = (out["draft_ms"] + out["accept_commit_ms"]) / out["verify_ms"]
+  return out
+
+
+def load_drafter_arg(spec: str, llm_cfg, exit_dim: int, dtype=jnp.float32) -> Drafter:
+  if spec == "random":
+    return Drafter(DrafterConfig(vocab_size=llm_cfg.vocab_size, hidden_size=llm_cfg.hidden_size,
+                                 exit_dim=exit_dim), dtype=dtype, rngs=nnx.Rngs(0))
+  from redrafter_jax.weights.drafter_io import load_drafter
+
+  return load_drafter(spec, dtype=dtype)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench decode", description=__doc__)
+  ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench jsonl")
+  ap.add_argument("--model", default="smollm2-135m")
+  ap.add_argument("--drafter", default="random", help="drafter folder, or 'random'")
+  ap.add_argument("--exit-dim", type=int, default=256, help="exit_dim of a random drafter")
+  ap.add_argument("--num-prompts", type=int, default=8)
+  ap.add_argument("--max-prompt-tokens", type=int, default=512)
+  ap.add_argument("--max-new-tokens", type=int, default=96)
+  ap.add_argument("--beams", default="4x4,8x5", help="comma-separated WxL settings")
+  ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0 = all)")
+  ap.add_argument("--budget", type=int, default=0, help="tree token budget N (0 = W*(L-1)+1)")
+  ap.add_argument("--repeat", type=int, default=10, help="repeats for the step split")
+  args = ap.parse_args(argv)
+
+  llm, llm_cfg = load_llama(args.model)
+  tok = load_tokenizer(resolve_source(args.model))
+  stops = stop_token_ids(tok)
+  drafter = load_drafter_arg(args.drafter, llm_cfg, args.exit_dim)
+  prompts = load_prompts(args.prompts, tok, args.num_prompts, args.max_prompt_tokens)
+  settings = [tuple(int(x) for x in s.split("x")) for s in args.beams.split(",")]
+  cfgs = [DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=args.max_new_tokens,
+                       draft_vocab_size=args.draft_vocab, token_budget=args.budget or None)
+          for W, L in settings]
+  print(f"# {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, "
+        f"greedy, batch 1, drafter={args.drafter}, draft_vocab={args.draft_vocab or 'all'}, "
+        f"device={jax.devices()[0].platform}")
+  # Warm up (compile) every program first, then interleave the timed runs by prompt.
+  generate(llm, [prompts[0]], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+  for cfg in cfgs:
+    dec.decode(llm, drafter, [prompts[0]], cfg, stop_ids=stops)
+  totals = {"ar": [0, 0.0]} | {c: [0, 0.0, 0, 0.0, 0.0, 0.0] for c in cfgs}
+  for prompt in prompts:
+    t = time.perf_counter()
+    ar = generate(llm, [prompt], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+    totals["ar"][0] += len(ar.tokens[0])
+    totals["ar"][1] += time.perf_counter() - t
+    for cfg in cfgs:
+      t = time.perf_counter()
+      r = dec.decode(llm, drafter, [prompt], cfg, stop_ids=stops)
+      row = totals[cfg]
+      row[0] += len(r.tokens[0])
+      row[1] += time.perf_counter() - t
+      row[2] += r.metrics["steps"]
+      row[3] += r.metrics["accepted_tokens"]
+      row[4] += r.metrics["mean_tree_tokens"] * r.metrics["steps"]
+      row[5] += r.metrics["mean_unique_tokens"] * r.metrics["steps"]
+  ar_tps = totals["ar"][0] / totals["ar"][1]
+  print("\n| decoder | tokens/s | speedup vs AR | tokens/step | tree tokens (packed / beams) |")
+  print("|---|---|---|---|---|")
+  print(f"| AR greedy | {ar_tps:.1f} | 1.00x | 1.00 | - |")
+  for cfg in cfgs:
+    n, secs, steps, acc, tree, _ = totals[cfg]
+    W, L = cfg.beam_width, cfg.beam_length
+    print(f"| ReDrafter W={W} L={L} | {n / secs:.1f} | {n / secs / ar_tps:.2f}x | "
+          f"{(acc + steps) / max(steps, 1):.2f} | {tree / max(steps, 1):.1f} / {W * L} |")
+  print("\n| W | L | N | draft (beam search + pack) ms | verify forward ms | accept+commit ms "
+        "| overhead / verify |")
+  print("|---|---|---|---|---|---|---|")
+  for cfg in cfgs:
+    s = step_split(llm, drafter, prompts[0], cfg, args.repeat)
+    print(f"| {cfg.beam_width} | {cfg.beam_length} | {cfg.num_tree_tokens} | {s['draft_ms']:.1f} "
+          f"| {s['verify_ms']:.1f} | {s['accept_commit_ms']:.1f} | "
+          f"{100 * s['overhead_vs_verify']:.0f}% |")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

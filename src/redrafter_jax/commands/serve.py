@@ -1,0 +1,48 @@
+"""``redrafter-jax serve --config PRESET.yaml``: an OpenAI-compatible HTTP server with ReDrafter."""
+
+HELP = "serve the model over an OpenAI-compatible HTTP API (ReDrafter, streaming, batching)"
+
+
+def add_arguments(p):
+  p.add_argument("--config", required=True, help="YAML preset, e.g. configs/smollm2_135m.yaml")
+  p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                 help="override preset values, e.g. decode.beam_width=2")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+  p.add_argument("--port", type=int, default=8000)
+  drafting = p.add_mutually_exclusive_group()
+  drafting.add_argument("--drafter", default=None,
+                        help="drafter folder (default: the preset's drafter_path)")
+  drafting.add_argument("--random-drafter", action="store_true",
+                        help="a randomly initialised drafter (tests; accepts almost nothing)")
+  drafting.add_argument("--ar", action="store_true",
+                        help="no speculation: plain autoregressive steps (for comparison)")
+  p.add_argument("--slots", type=int, default=8, help="requests decoded together (batch rows)")
+  p.add_argument("--max-context", type=int, default=None,
+                 help="KV-cache slots per request: prompt + max_tokens + scratch "
+                      "(default: min(2048, the model's context))")
+  p.add_argument("--max-tokens", type=int, default=512,
+                 help="the largest max_tokens a request may ask for")
+  p.add_argument("--default-max-tokens", type=int, default=None,
+                 help="max_tokens when a request gives none (default: decode.max_new_tokens)")
+  p.add_argument("--max-queue", type=int, default=64,
+                 help="requests that may wait for a slot; more get HTTP 429")
+  p.add_argument("--devices", type=int, default=None,
+                 help="devices on the tensor-parallel model axis (default: all local devices)")
+  p.add_argument("--served-model-name", default=None,
+                 help="the model id clients use (default: the preset's model)")
+  p.add_argument("--no-warmup", action="store_true",
+                 help="skip compiling the decode step before accepting requests")
+
+
+def run(args) -> int:
+  from redrafter_jax.config import load_preset, parse_overrides
+  from redrafter_jax.serving import server
+
+  preset = load_preset(args.config, parse_overrides(args.overrides))
+  srv = server.build(
+      preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
+      default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
+      speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
+      devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup)
+  server.serve_forever(srv, args.host, args.port)
+  return 0

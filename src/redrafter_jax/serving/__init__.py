@@ -1,0 +1,23 @@
+"""Serving: a continuous-batching ReDrafter engine behind an OpenAI-compatible HTTP API.
+
+Modules: ``engine`` (slots, queue, the engine thread), ``batch`` and ``placement`` (the device
+side), ``request``, ``textstream``, ``protocol`` and ``app`` (the HTTP side), ``metrics``,
+``server`` (assembly from a preset), ``loadtest``, ``testing`` (stand-ins for tests). Names
+load on first use, so the load test does not pull in the HTTP server or the engine.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "Delta": "request", "EngineStopped": "request", "Failed": "request", "Finished": "request",
+    "GenerationRequest": "request", "QueueFull": "request", "RequestError": "request",
+    "Engine": "engine", "EngineConfig": "engine", "SamplingDefaults": "app",
+    "create_app": "app",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

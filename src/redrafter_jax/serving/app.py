@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP app (FastAPI) in front of an ``Engine``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with server-sent
+events when ``stream`` is true: ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Handlers run on the event loop; the engine runs in its own thread. Each prompt becomes one
+engine request whose events come back through ``loop.call_soon_threadsafe`` into an asyncio
+queue. A client that goes away cancels its requests (their slots free at the next step):
+streaming responses notice through Starlette's disconnect handling, plain ones by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from redrafter_jax import tokenizer as tokenizer_lib
+from redrafter_jax.serving import protocol
+from redrafter_jax.serving.engine import Engine
+from redrafter_jax.serving.request import (EngineStopped, Failed, Finished, GenerationRequest,
+                                           QueueFull, RequestError)
+from redrafter_jax.serving.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+  """Used for fields a request leaves out (normally the preset's ``decode`` section)."""
+
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+
+class _ClientGone(Exception):
+  pass
+
+
+class _Run:
+  """The engine requests behind one HTTP request (one per prompt) and their events."""
+
+  def __init__(self, engine: Engine, requests: list[GenerationRequest]):
+    loop = asyncio.get_running_loop()
+    self.queue: asyncio.Queue = asyncio.Queue()
+    self.handles = []
+    try:
+      for i, r in enumerate(requests):
+        self.handles.append(engine.submit(r, functools.partial(self._put, loop, i)))
+    except BaseException:
+      self.cancel()
+      raise
+
+  def _put(self, loop, index, event) -> None:
+    loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+
+  def cancel(self) -> None:
+    for h in self.handles:
+      h.cancel()
+
+  async def events(self, request: Request | None) -> AsyncIterator[tuple[int, object]]:
+    """Events until every request has ended; ``request`` given: poll for a disconnect."""
+    remaining = len(self.handles)
+    while remaining:
+      try:
+        index, event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        if request is not None and await request.is_disconnected():
+          raise _ClientGone() from None
+        continue
+      if isinstance(event, (Finished, Failed)):
+        remaining -= 1
+      yield index, event
+
+
+def _sse(obj) -> str:
+  return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def create_app(engine: Engine, tokenizer, *, model_name: str,
+               defaults: SamplingDefaults = SamplingDefaults()) -> FastAPI:
+  app = FastAPI(title="redrafter_jax", description="ReDrafter speculative decoding, "
+                "OpenAI-compatible", docs_url=None, redoc_url=None)
+  started = int(time.time())
+
+  @app.exception_handler(APIError)
+  async def _api_error(_, e: APIError):
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http_error(_, e: StarletteHTTPException):
+    code = "not_found" if e.status_code == 404 else None
+    err = APIError(e.status_code, str(e.detail), code=code)
+    return JSONResponse(err.body(), status_code=e.status_code)
+
+  @app.exception_handler(Exception)
+  async def _internal(_, e: Exception):
+    log.exception("unhandled error")
+    err = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+    return JSONResponse(err.body(), status_code=500)
+
+  @app.get("/health")
+  async def health():
+    body = {"status": "ok" if engine.alive else "down", "mode": engine.mode,
+            "slots": engine.config.slots, "active_slots": engine.active_slots(),
+            "queue_length": engine.queue_length()}
+    return JSONResponse(body, status_code=200 if engine.alive else 503)
+
+  @app.get("/metrics")
+  async def metrics():
+    return Response(engine.metrics.render(), media_type=engine.metrics.content_type)
+
+  def model_card() -> dict:
+    return {"id": model_name, "object": "model", "created": started, "owned_by": "redrafter_jax"}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [model_card()]}
+
+  @app.get("/v1/models/{name:path}")
+  async def model(name: str):
+    if name != model_name:
+      raise _unknown_model(name)
+    return model_card()
+
+  def _unknown_model(name: str) -> APIError:
+    return APIError(404, f"the model '{name}' does not exist; this server serves "
+                    f"'{model_name}'", param="model", code="model_not_found")
+
+  def check_model(body: protocol.RequestBase) -> None:
+    if body.model != model_name:
+      raise _unknown_model(body.model)
+
+  def requests_for(body: protocol.RequestBase, prompts: list[list[int]], max_tokens
+                   ) -> list[GenerationRequest]:
+    pick = lambda v, d: d if v is None else v
+    temperature = pick(body.temperature, defaults.temperature)
+    top_p, top_k = pick(body.top_p, defaults.top_p), pick(body.top_k, defaults.top_k)
+    return [GenerationRequest(prompt_ids=p, max_tokens=max_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=body.seed,
+                              stop=tuple(body.stop_list())) for p in prompts]
+
+  def start(requests: list[GenerationRequest]) -> _Run:
+    try:
+      for r in requests:  # every prompt is checked before any is queued
+        engine.check(r)
+      return _Run(engine, requests)
+    except RequestError as e:
+      engine.metrics.rejected.labels(reason="bad_request").inc()
+      raise APIError(400, str(e), param=e.param, code=e.code) from None
+    except QueueFull as e:
+      raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+    except EngineStopped as e:
+      raise APIError(503, str(e), type="server_error", code="engine_down") from None
+
+  async def respond(request: Request, body: protocol.RequestBase, run: _Run, chat: bool):
+    rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+    created = protocol.now()
+    if body.stream:
+      include_usage = bool(body.stream_options and body.stream_options.include_usage)
+      return StreamingResponse(
+          _stream(run, rid, created, chat, include_usage), media_type="text/event-stream",
+          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    n = len(run.handles)
+    texts, reasons, usages = [[] for _ in range(n)], [None] * n, [None] * n
+    try:
+      async for i, event in run.events(request):
+        if isinstance(event, Failed):
+          raise APIError(500, event.message, type="server_error")
+        texts[i].append(event.text)
+        if isinstance(event, Finished):
+          reasons[i], usages[i] = event.finish_reason, event.usage
+    except _ClientGone:
+      log.info("%s: client disconnected; cancelled", rid)
+      return Response(status_code=499)
+    finally:
+      run.cancel()  # no-op for requests that finished
+    choices = [("".join(t), r) for t, r in zip(texts, reasons)]
+    build = protocol.chat_completion if chat else protocol.completion
+    return build(rid, created, model_name, choices, protocol.merge_usage(usages))
+
+  async def _stream(run: _Run, rid: str, created: int, chat: bool, include_usage: bool):
+    usages = []
+    try:
+      if chat:
+        for i in range(len(run.handles)):
+          yield _sse(protocol.chat_chunk(rid, created, model_name, i,
+                                         {"role": "assistant", "content": ""}, None))
+      async for i, event in run.events(None):
+        if isinstance(event, Failed):
+          yield _sse(APIError(500, event.message, type="server_error").body())
+          break
+        reason = event.finish_reason if isinstance(event, Finished) else None
+        if chat:
+          if event.text:
+            yield _sse(protocol.chat_chunk(rid, created, model_name, i,
+                                           {"content": event.text}, None))
+          if reason is not None:
+            yield _sse(protocol.chat_chunk(rid, created, model_name, i, {}, reason))
+        elif event.text or reason is not None:
+          yield _sse(protocol.completion_chunk(rid, created, model_name, i, event.text, reason))
+        if isinstance(event, Finished):
+          usages.append(event.usage)
+      else:
+        if include_usage:
+          obj = "chat.completion.chunk" if chat else "text_completion"
+          yield _sse(protocol.usage_chunk(rid, created, model_name, obj,
+                                          protocol.merge_usage(usages)))
+      yield "data: [DONE]\n\n"
+    finally:  # also on disconnect (the generator is cancelled): free the slots
+      run.cancel()
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    body = protocol.parse(protocol.CompletionRequest, await request.body())
+    check_model(body)
+    prompts = []
+    for p in body.prompts():
+      if isinstance(p, str):
+        if not p:
+          raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+        p = tokenizer_lib.encode(tokenizer, p, chat=False)
+      prompts.append(p)
+    if not prompts:
+      raise APIError(400, "no prompt given", param="prompt", code="empty_prompt")
+    run = start(requests_for(body, prompts, body.max_tokens))
+    return await respond(request, body, run, chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    body = protocol.parse(protocol.ChatCompletionRequest, await request.body())
+    check_model(body)
+    if not body.messages:
+      raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
+    try:
+      ids = tokenizer_lib.encode_messages(
+          tokenizer, [m.as_template_message() for m in body.messages])
+    except Exception as e:  # the chat template rejects the conversation (e.g. role order)
+      raise APIError(400, f"the chat template cannot format these messages: {e}",
+                     param="messages") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    run = start(requests_for(body, [ids], max_tokens))
+    return await respond(request, body, run, chat=True)
+
+  return app

@@ -1,0 +1,146 @@
+"""The server's device-side batch: B request slots decoded together, with static shapes.
+
+``SlotBatch`` is a ``DecodeState`` over B slots plus each slot's sampling settings and token
+limit. Three pure functions change it (the engine jits each once per static shape, donating the
+batch, so nothing of it makes a host round trip):
+
+  ``admit``     prefill one prompt (batch 1, length bucketed by the caller), choose its first
+                token with the request's own key, and write the row into a slot: cache row,
+                g0, h, output row, done flag, metrics row, sampling settings, key, limit.
+  ``spec_step`` one ReDrafter step (``decode.step``) for every slot;
+  ``ar_step``   one plain autoregressive step (the server's ReDrafter-off mode).
+
+Both steps return a small ``StepOut`` (the tokens each row gained, counts, flags), which is all
+the host reads per step. Every slot keeps its own PRNG key, split once per step, so a request's
+draws depend on its seed and its own progress only, never on which slot it sits in or who else
+is in the batch. A slot whose request ended on the host (stop string, cancelled) may keep
+decoding until it is reused: its row is independent and nothing reads it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from redrafter_jax import decode as decode_lib
+from redrafter_jax import kv_cache as kvc
+from redrafter_jax import sampling
+from redrafter_jax.config import DecodeConfig, LlamaConfig
+from redrafter_jax.generate import empty_output, prefill, record
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
+
+
+@struct.dataclass
+class SlotBatch:
+  state: decode_lib.DecodeState  # ``state.rng`` holds one key per slot
+  params: sampling.SamplingParams
+  limit_B: jax.Array  # int32: the request's max_tokens (the row is done once it has that many)
+
+
+@struct.dataclass
+class StepOut:
+  tokens_BA: jax.Array  # tokens each row gained this step; the first ``count_B`` are valid
+  count_B: jax.Array
+  done_B: jax.Array
+  active_B: jax.Array  # the row was decoding during this step
+  accepted_B: jax.Array  # drafted tokens accepted this step (0 in AR mode)
+
+
+def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
+          beam_length: int) -> SlotBatch:
+  """All slots free (done), caches zero."""
+  B = slots
+  state = decode_lib.DecodeState(
+      cache=kvc.init(cfg.num_layers, B, cache_size, cfg.num_kv_heads, cfg.head_dim, dtype),
+      g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, cfg.hidden_size), dtype),
+      out=empty_output(B, max_tokens),
+      done_B=jnp.ones((B,), bool), rng=jax.random.split(jax.random.key(0), B),
+      metrics=decode_lib.Metrics.zeros(B, beam_length))
+  return SlotBatch(state, sampling.SamplingParams.make(B), jnp.zeros((B,), jnp.int32))
+
+
+def request_key(seed_lo, seed_hi) -> jax.Array:
+  """A request's PRNG key from its 64-bit seed (two uint32 words)."""
+  return jax.random.fold_in(jax.random.key(seed_lo), seed_hi)
+
+
+def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_hi, temperature,
+          top_p, top_k, limit, stop_ids, *, filtered: bool) -> tuple[SlotBatch, jax.Array]:
+  """Prefill one prompt into ``slot``; returns the batch and the request's first token."""
+  s = batch.state
+  M = s.out.tokens_BM.shape[1]
+  T = tokens_1T.shape[1]
+  length_1 = jnp.reshape(length, (1,)).astype(jnp.int32)
+  logits_1V, h_1D, row_cache = prefill(llm, tokens_1T, length_1, llm.init_cache(1, T))
+  params_1 = sampling.SamplingParams.make(1, temperature, top_p, top_k)
+  rng, key = jax.random.split(request_key(seed_lo, seed_hi))
+  g0_1 = sampling.sample(key, sampling.target_logprobs(logits_1V, params_1, filtered=filtered))
+  out_1, done_1 = record(empty_output(1, M), jnp.zeros((1,), bool), g0_1[:, None],
+                         jnp.ones((1,), jnp.int32), stop_ids, M)
+  done_1 = done_1 | (limit <= 1)
+
+  # Only the prompt's T slots are written: slots past a row's length are never visible.
+  at = (0, slot, 0, 0, 0)
+  cache = s.cache.replace(k=jax.lax.dynamic_update_slice(s.cache.k, row_cache.k, at),
+                          v=jax.lax.dynamic_update_slice(s.cache.v, row_cache.v, at),
+                          lengths_B=s.cache.lengths_B.at[slot].set(length_1[0]))
+  put = lambda full, row: full.at[slot].set(row[0])
+  out = s.out.replace(tokens_BM=put(s.out.tokens_BM, out_1.tokens_BM),
+                      num_B=put(s.out.num_B, out_1.num_B),
+                      stopped_B=put(s.out.stopped_B, out_1.stopped_B))
+  metrics = jax.tree.map(lambda x: x.at[slot].set(0), s.metrics)
+  state = s.replace(cache=cache, g0_B=put(s.g0_B, g0_1),
+                    h_BD=put(s.h_BD, h_1D.astype(s.h_BD.dtype)), out=out,
+                    done_B=put(s.done_B, done_1), rng=s.rng.at[slot].set(rng), metrics=metrics)
+  params = jax.tree.map(put, batch.params, params_1)
+  return SlotBatch(state, params, batch.limit_B.at[slot].set(limit)), g0_1[0]
+
+
+def _finish(batch: SlotBatch, old: decode_lib.DecodeState, new: decode_lib.DecodeState,
+            width: int) -> tuple[SlotBatch, StepOut]:
+  """Apply the per-row limits and cut out the tokens each row gained."""
+  M = new.out.tokens_BM.shape[1]
+  start_B = old.out.num_B
+  idx_BA = jnp.minimum(start_B[:, None] + jnp.arange(width), M - 1)
+  tokens_BA = jnp.take_along_axis(new.out.tokens_BM, idx_BA, axis=1)
+  done_B = new.done_B | (new.out.num_B >= batch.limit_B)
+  out = StepOut(tokens_BA=tokens_BA, count_B=new.out.num_B - start_B, done_B=done_B,
+                active_B=~old.done_B,
+                accepted_B=new.metrics.accepted_B - old.metrics.accepted_B)
+  return batch.replace(state=new.replace(done_B=done_B)), out
+
+
+def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig, *,
+              filtered: bool) -> tuple[SlotBatch, StepOut]:
+  """One ReDrafter step (draft, verify, accept, commit) for every slot."""
+  new = decode_lib.step(llm, drafter, batch.state, batch.params, stop_ids, cfg,
+                        filtered=filtered)
+  return _finish(batch, batch.state, new, cfg.beam_length)
+
+
+def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool
+            ) -> tuple[SlotBatch, StepOut]:
+  """One autoregressive token for every slot (the same bookkeeping as ``spec_step``)."""
+  s = batch.state
+  B = s.g0_B.shape[0]
+  M = s.out.tokens_BM.shape[1]
+  active_B = ~s.done_B
+  keys_B2 = jax.vmap(jax.random.split)(s.rng)
+  c = s.cache
+  mask_B1S = kvc.visible_mask(c.lengths_B, jnp.ones((B, 1, 1), bool), c.size)
+  logits_B1V, hidden_B1D, cache = llm(s.g0_B[:, None], c.lengths_B[:, None], mask_B1S, c)
+  cache = kvc.advance(cache, active_B.astype(jnp.int32))
+  logp_BV = sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=filtered)
+  next_B = jax.vmap(lambda k, lp_V: sampling.sample(k, lp_V[None])[0])(keys_B2[:, 1], logp_BV)
+  out, done_B = record(s.out, s.done_B, next_B[:, None], jnp.ones((B,), jnp.int32), stop_ids, M)
+  on_B = active_B.astype(jnp.int32)
+  m = s.metrics
+  metrics = m.replace(steps_B=m.steps_B + on_B,
+                      accept_hist_BL=m.accept_hist_BL.at[:, 0].add(on_B))
+  new = s.replace(cache=cache, g0_B=jnp.where(active_B, next_B, s.g0_B),
+                  h_BD=jnp.where(active_B[:, None], hidden_B1D[:, 0], s.h_BD),
+                  out=out.replace(steps=out.steps + 1), done_B=done_B, rng=keys_B2[:, 0],
+                  metrics=metrics)
+  return _finish(batch, s, new, 1)

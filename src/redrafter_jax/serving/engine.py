@@ -1,0 +1,338 @@
+"""The serving engine: a fixed number of batch slots, continuous batching at step granularity.
+
+The engine owns one thread, the only one that touches JAX after start-up. Its loop:
+  1. move waiting requests into free slots (``batch.admit``: a batch-1 prefill at a bucketed
+     prompt length, written into the slot's row on the device);
+  2. run one step for all slots (ReDrafter ``spec_step``, or ``ar_step`` with speculation off);
+  3. read the few tokens each row gained, turn them into text (``TextStream``: stop strings,
+     partial characters), and hand events to each request's ``sink``. A request that ends
+     (stop token, stop string, max_tokens, cancelled) frees its slot at once.
+Requests wait in a bounded queue; ``submit`` raises ``QueueFull`` beyond it instead of blocking.
+Sinks are called from the engine thread and must not block (the HTTP layer hands events over
+to its event loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from typing import Callable, Sequence
+
+from redrafter_jax.config import ConfigError, DecodeConfig
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
+from redrafter_jax.serving.metrics import ServingMetrics
+from redrafter_jax.serving.placement import Placement
+from redrafter_jax.serving.request import (Delta, EngineStopped, Event, Failed, Finished,
+                                           GenerationRequest, QueueFull, RequestError, validate)
+from redrafter_jax.serving.textstream import TextStream, decoder_for
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Delta", "Engine", "EngineConfig", "EngineStopped", "Event", "Failed", "Finished",
+           "GenerationRequest", "Handle", "QueueFull", "RequestError"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  slots: int = 8  # rows decoded together (B)
+  max_context: int = 2048  # cache slots per row: prompt + max_tokens + one step's scratch
+  max_tokens: int = 512  # the most tokens one request may ask for
+  default_max_tokens: int = 256  # when a request does not say (cut to what fits the context)
+  max_queue: int = 64  # requests waiting for a slot before new ones get QueueFull
+  speculative: bool = True  # False: plain autoregressive steps (for comparison)
+  decode: DecodeConfig = DecodeConfig()  # beam width/length, acceptance rule, token budget
+  min_bucket: int = 16  # prompts are padded to a power of two >= this (few compiles)
+
+  def __post_init__(self):
+    for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise ConfigError(f"serving: {name} must be an integer >= 1, got {getattr(self, name)!r}")
+    if not isinstance(self.max_queue, int) or self.max_queue < 0:
+      raise ConfigError(f"serving: max_queue must be an integer >= 0, got {self.max_queue!r}")
+
+  @property
+  def scratch(self) -> int:
+    """Cache slots a row needs beyond its tokens: one step's uncommitted writes."""
+    d = self.decode
+    return d.beam_length + d.num_tree_tokens if self.speculative else 1
+
+
+class Handle:
+  """A submitted request: ``cancel()`` frees its slot at the next step."""
+
+  _ids = itertools.count()
+
+  def __init__(self, request: GenerationRequest, sink: Callable[[Event], None], seed: int,
+               max_tokens: int):
+    self.id = next(self._ids)
+    self.request, self.sink, self.seed, self.max_tokens = request, sink, seed, max_tokens
+    self.arrival = time.perf_counter()
+    self._cancelled = threading.Event()
+
+  def cancel(self) -> None:
+    self._cancelled.set()
+
+  @property
+  def cancelled(self) -> bool:
+    return self._cancelled.is_set()
+
+
+@dataclasses.dataclass
+class _Active:
+  """Host-side progress of the request in one slot."""
+
+  handle: Handle
+  text: TextStream
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  steps: int = 0
+  accepted: int = 0
+  first_token_at: float | None = None
+
+
+class Engine:
+  """Continuous-batching ReDrafter (or AR) generation over ``config.slots`` slots."""
+
+  def __init__(self, llm: Llama, tokenizer, drafter: Drafter | None = None, *,
+               config: EngineConfig = EngineConfig(), stop_ids: Sequence[int] = (),
+               mesh=None, metrics: ServingMetrics | None = None):
+    if config.speculative and drafter is None:
+      raise ConfigError("serving with ReDrafter needs a drafter (or speculative=False)")
+    limit = llm.config.max_position_embeddings
+    if config.max_context > limit:
+      raise ConfigError(f"serving: max_context {config.max_context} exceeds the model's "
+                        f"context of {limit} tokens")
+    if config.max_context < config.scratch + 2:
+      raise ConfigError(f"serving: max_context {config.max_context} leaves no room beside the "
+                        f"{config.scratch} scratch slots one step needs")
+    dcfg = getattr(drafter, "config", None)
+    if config.speculative and dcfg is not None and (dcfg.hidden_size, dcfg.vocab_size) != (
+        llm.config.hidden_size, llm.config.vocab_size):
+      raise ConfigError(f"drafter (hidden_size={dcfg.hidden_size}, vocab_size={dcfg.vocab_size})"
+                        f" does not match the LLM (hidden_size={llm.config.hidden_size}, "
+                        f"vocab_size={llm.config.vocab_size})")
+    self.config = config
+    self.vocab_size = llm.config.vocab_size
+    self.metrics = metrics or ServingMetrics(config.decode.beam_length)
+    self._decode_text = decoder_for(tokenizer)
+    self._stop_ids = tuple(int(i) for i in stop_ids)
+    self._place = Placement(llm, drafter if config.speculative else None, config,
+                            self._stop_ids, mesh=mesh)
+    self._queue: queue.Queue[Handle] = queue.Queue()  # bounded by ``submit``
+    self._load = 0  # requests submitted and not yet ended (waiting or in a slot)
+    self._load_lock = threading.Lock()
+    self._slots: list[_Active | None] = [None] * config.slots
+    self._stopping = threading.Event()
+    self._thread: threading.Thread | None = None
+    self.error: BaseException | None = None  # set if the loop itself died
+
+  # ------------------------------------------------------------------ public API (any thread)
+
+  @property
+  def mode(self) -> str:
+    return "redrafter" if self.config.speculative else "ar"
+
+  def start(self) -> "Engine":
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._loop, name="redrafter-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self, timeout: float = 30.0) -> None:
+    self._stopping.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+      self._thread = None
+
+  @property
+  def alive(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def queue_length(self) -> int:
+    return self._queue.qsize()
+
+  def active_slots(self) -> int:
+    return sum(a is not None for a in self._slots)
+
+  def check(self, request: GenerationRequest) -> int:
+    """Validate ``request``; returns its effective max_tokens. Raises ``RequestError``."""
+    cfg = self.config
+    return validate(request, vocab_size=self.vocab_size, max_context=cfg.max_context,
+                    reserved=cfg.scratch, max_tokens=cfg.max_tokens,
+                    default_max_tokens=cfg.default_max_tokens)
+
+  def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Handle:
+    """Queue a request; events go to ``sink``. Raises ``RequestError`` or ``QueueFull``."""
+    max_tokens = self.check(request)
+    if not self.alive:
+      raise EngineStopped("the engine is not running")
+    seed = secrets.randbits(64) if request.seed is None else request.seed % (1 << 64)
+    handle = Handle(request, sink, seed, max_tokens)
+    with self._load_lock:
+      if self._load >= self.config.slots + self.config.max_queue:
+        self.metrics.rejected.labels(reason="queue_full").inc()
+        raise QueueFull(f"all {self.config.slots} slots are busy and {self.config.max_queue} "
+                        "requests are waiting; retry later")
+      self._load += 1
+      self._queue.put_nowait(handle)
+    self.metrics.queue_length.set(self._queue.qsize())
+    return handle
+
+  def generate(self, request: GenerationRequest, timeout: float = 300.0) -> Finished:
+    """Submit and wait for the whole result (for scripts and tests)."""
+    events: queue.Queue[Event] = queue.Queue()
+    handle = self.submit(request, events.put)
+    deadline = time.monotonic() + timeout
+    pieces = []
+    while True:
+      try:
+        event = events.get(timeout=max(deadline - time.monotonic(), 0.0))
+      except queue.Empty:
+        handle.cancel()
+        raise TimeoutError(f"no result within {timeout} s") from None
+      if isinstance(event, Failed):
+        raise RuntimeError(event.message)
+      pieces.append(event.text)
+      if isinstance(event, Finished):
+        return dataclasses.replace(event, text="".join(pieces))
+
+  # ------------------------------------------------------------------ engine thread
+
+  def _loop(self) -> None:
+    try:
+      while not self._stopping.is_set():
+        try:
+          self._admit_waiting()
+          if self.active_slots():
+            self._step()
+          else:
+            self._wait_for_work()
+        except Exception as e:  # a failed step must not take the server down
+          log.exception("engine step failed; failing the active requests")
+          self._fail_active(f"internal error: {type(e).__name__}: {e}")
+          self._place.reset()
+    except BaseException as e:
+      self.error = e
+      log.exception("engine loop died")
+      raise
+    finally:
+      self._fail_active("the server is shutting down")
+      while not self._queue.empty():
+        self._emit(self._queue.get_nowait(), Failed("the server is shutting down"))
+
+  def _wait_for_work(self) -> None:
+    try:
+      handle = self._queue.get(timeout=0.05)
+    except queue.Empty:
+      return
+    self._admit(handle, self._slots.index(None))
+
+  def _admit_waiting(self) -> None:
+    while None in self._slots:
+      try:
+        handle = self._queue.get_nowait()
+      except queue.Empty:
+        break
+      self._admit(handle, self._slots.index(None))
+    self.metrics.queue_length.set(self._queue.qsize())
+
+  def _admit(self, handle: Handle, slot: int) -> None:
+    if handle.cancelled:
+      self._finish_cancelled(handle)
+      return
+    req = handle.request
+    t0 = time.perf_counter()
+    first = self._place.admit(slot, list(req.prompt_ids), handle.seed, req.temperature,
+                              req.top_p, req.top_k, handle.max_tokens)
+    self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+    self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+    active = _Active(handle, TextStream(self._decode_text, req.stop))
+    self._slots[slot] = active
+    self.metrics.active_slots.set(self.active_slots())
+    self._deliver(slot, [first])
+
+  def _step(self) -> None:
+    filtered = any(a is not None and a.handle.request.temperature > 0 and (
+        a.handle.request.top_p < 1 or a.handle.request.top_k > 0) for a in self._slots)
+    t0 = time.perf_counter()
+    out = self._place.step(filtered)
+    seconds = time.perf_counter() - t0
+    accepted = []
+    for slot, active in enumerate(self._slots):
+      if active is None:
+        continue
+      if active.handle.cancelled:
+        self._finish(slot, "cancelled", "")
+        continue
+      if out.active_B[slot]:
+        active.steps += 1
+        active.accepted += int(out.accepted_B[slot])
+        accepted.append(int(out.accepted_B[slot]))
+      self._deliver(slot, out.tokens_BA[slot, :out.count_B[slot]].tolist(),
+                    device_done=bool(out.done_B[slot]))
+    self.metrics.observe_step(seconds, accepted)
+
+  def _deliver(self, slot: int, new: list[int], *, device_done: bool = False) -> None:
+    """Hand a row's new tokens to its request; end it when it is done."""
+    active = self._slots[slot]
+    if active.first_token_at is None and new:
+      active.first_token_at = time.perf_counter()
+      self.metrics.ttft_seconds.observe(active.first_token_at - active.handle.arrival)
+    new = new[:active.handle.max_tokens - len(active.tokens)]
+    stop_at = next((i for i, t in enumerate(new) if t in self._stop_ids), None)
+    if stop_at is not None:
+      new = new[:stop_at + 1]
+    active.tokens.extend(new)
+    text = active.text.push(new[:stop_at] if stop_at is not None else new)
+    if active.text.stopped or stop_at is not None:
+      self._finish(slot, "stop", text)
+    elif len(active.tokens) >= active.handle.max_tokens or device_done:
+      self._finish(slot, "length", text + active.text.flush())
+    elif text or new:
+      self._emit(active.handle, Delta(text, new))
+
+  def _finish(self, slot: int, reason: str, text: str) -> None:
+    active = self._slots[slot]
+    self._slots[slot] = None
+    h = active.handle
+    n = len(active.tokens)
+    steps = max(active.steps, 1)
+    usage = dict(prompt_tokens=len(h.request.prompt_ids), completion_tokens=n,
+                 total_tokens=len(h.request.prompt_ids) + n,
+                 speculative=dict(mode=self.mode, steps=active.steps,
+                                  accepted_tokens=active.accepted,
+                                  tokens_per_step=(active.accepted + active.steps) / steps))
+    self.metrics.requests.labels(finish_reason=reason).inc()
+    self.metrics.generated_tokens.inc(n)
+    self.metrics.request_seconds.observe(time.perf_counter() - h.arrival)
+    self.metrics.active_slots.set(self.active_slots())
+    self._emit(h, Finished(text, list(active.tokens), reason, usage))
+
+  def _finish_cancelled(self, handle: Handle) -> None:
+    self.metrics.requests.labels(finish_reason="cancelled").inc()
+    usage = dict(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=0,
+                 total_tokens=len(handle.request.prompt_ids))
+    self._emit(handle, Finished("", [], "cancelled", usage))
+
+  def _fail_active(self, message: str) -> None:
+    for slot, active in enumerate(self._slots):
+      if active is not None:
+        self._slots[slot] = None
+        self.metrics.requests.labels(finish_reason="error").inc()
+        self._emit(active.handle, Failed(message))
+    self.metrics.active_slots.set(0)
+
+  def _emit(self, handle: Handle, event: Event) -> None:
+    if isinstance(event, (Finished, Failed)):
+      with self._load_lock:
+        self._load -= 1
+    try:
+      handle.sink(event)
+    except Exception:  # a closed connection's sink: the request is simply abandoned
+      log.debug("request %d: sink failed; cancelling", handle.id, exc_info=True)
+      handle.cancel()

@@ -1,0 +1,297 @@
+"""Load test for the OpenAI-compatible server (a benchmark script, loopback only, bounded).
+
+Against a running server:
+  python -m redrafter_jax.serving.loadtest --url http://127.0.0.1:8000 --requests 64 \\
+      --concurrency 16
+ReDrafter vs AR side by side (starts each server itself, one after the other, same settings):
+  python -m redrafter_jax.serving.loadtest --compare --config configs/smollm2_135m.yaml \\
+      --requests 64 --concurrency 16 [--drafter PATH | --random-drafter] [--slots 8]
+
+Every request streams (``stream: true`` with usage) so time to first token is measured; each
+has a timeout and the whole run a deadline, so the script always ends. A request that neither
+completed nor failed by the deadline counts as lost. The first ``--warmup`` requests (default:
+one per client) run before the clock starts, so compilation is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+
+import httpx
+import numpy as np
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a short poem about the sea.",
+    "List three uses of a paperclip.",
+    "What is the capital of France? Answer briefly.",
+    "Describe a cat to someone who has never seen one.",
+    "Give me a recipe for pancakes.",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do I reverse a list in Python?",
+    "Why do we have seasons on Earth?",
+    "Tell me a fun fact about octopuses.",
+    "Translate 'good morning' into Spanish, French and German.",
+    "What are the benefits of regular exercise?",
+]
+
+
+@dataclasses.dataclass
+class Result:
+  ok: bool
+  latency: float = 0.0
+  ttft: float | None = None
+  tokens: int = 0
+  steps: int = 0
+  accepted: int = 0
+  error: str = ""
+
+
+def check_loopback(url: str) -> str:
+  host = urllib.parse.urlparse(url).hostname
+  if host not in LOOPBACK:
+    raise SystemExit(f"error: the load test only targets loopback servers, not {host!r}")
+  return url.rstrip("/")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, timeout: float) -> Result:
+  t0 = time.perf_counter()
+  res = Result(ok=False)
+  try:
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+      if r.status_code != 200:
+        res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        return res
+      async for line in r.aiter_lines():
+        if not line.startswith("data: "):
+          continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+          res.ok = True
+          break
+        obj = json.loads(data)
+        if "error" in obj:
+          res.error = obj["error"].get("message", "error")
+          return res
+        if res.ttft is None and any(c.get("text") for c in obj.get("choices", ())):
+          res.ttft = time.perf_counter() - t0
+        usage = obj.get("usage")
+        if usage:
+          res.tokens = usage["completion_tokens"]
+          spec = usage.get("speculative") or {}
+          res.steps, res.accepted = spec.get("steps", 0), spec.get("accepted_tokens", 0)
+  except (httpx.HTTPError, json.JSONDecodeError) as e:
+    res.error = f"{type(e).__name__}: {e}"
+  res.latency = time.perf_counter() - t0
+  if not res.ok and not res.error:
+    res.error = "stream ended without [DONE]"
+  return res
+
+
+async def _run(url: str, prompts: list[str], *, requests: int, concurrency: int,
+               max_tokens: int, temperature: float, timeout: float, deadline: float) -> dict:
+  async with httpx.AsyncClient(timeout=timeout) as client:
+    model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+    results: list[Result | None] = [None] * requests
+    counter = iter(range(requests))
+
+    async def worker():
+      for i in counter:
+        body = dict(model=model, prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
+                    temperature=temperature, seed=i, stream=True,
+                    stream_options={"include_usage": True})
+        results[i] = await one_request(client, url, body, timeout)
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    _, pending = await asyncio.wait(tasks, timeout=deadline)
+    for t in pending:
+      t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - t0
+  return summarize([r for r in results if r is not None], requests, wall)
+
+
+def summarize(results: list[Result], requests: int, wall: float) -> dict:
+  ok = [r for r in results if r.ok]
+  lat = np.array([r.latency for r in ok]) if ok else np.zeros(1)
+  ttft = np.array([r.ttft for r in ok if r.ttft is not None] or [0.0])
+  tokens, steps = sum(r.tokens for r in ok), sum(r.steps for r in ok)
+  return dict(
+      requests=requests, completed=len(ok), failed=len(results) - len(ok),
+      lost=requests - len(results), wall_s=wall, completion_tokens=tokens,
+      tokens_per_s=tokens / wall if wall > 0 else 0.0,
+      requests_per_s=len(ok) / wall if wall > 0 else 0.0,
+      latency_p50_s=float(np.percentile(lat, 50)), latency_p99_s=float(np.percentile(lat, 99)),
+      ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
+      tokens_per_step=(sum(r.accepted for r in ok) + steps) / steps if steps else None,
+      errors=sorted({r.error for r in results if not r.ok})[:5])
+
+
+def run_load(url: str, *, requests: int = 64, concurrency: int = 16, max_tokens: int = 64,
+             temperature: float = 0.0, prompts: list[str] | None = None, warmup: int | None = None,
+             timeout: float = 300.0, deadline: float = 1800.0) -> dict:
+  """Warm up, then send ``requests`` streaming completions from ``concurrency`` clients."""
+  url = check_loopback(url)
+  prompts = prompts or DEFAULT_PROMPTS
+  kwargs = dict(concurrency=concurrency, max_tokens=max_tokens, temperature=temperature,
+                timeout=timeout, deadline=deadline)
+  warm = concurrency if warmup is None else warmup
+  if warm:
+    asyncio.run(_run(url, prompts, requests=warm, **kwargs))
+  return asyncio.run(_run(url, prompts, requests=requests, **kwargs))
+
+
+def read_prompts(path: str, limit: int | None = None) -> list[str]:
+  out = []
+  for line in pathlib.Path(path).read_text().splitlines():
+    if line.strip():
+      out.append(json.loads(line)["prompt"])
+  return out[:limit] if limit else out
+
+
+ROWS = [("completed", "{completed}/{requests}"), ("failed", "{failed}"), ("lost", "{lost}"),
+        ("wall time (s)", "{wall_s:.2f}"), ("tokens generated", "{completion_tokens}"),
+        ("throughput (tok/s)", "{tokens_per_s:.1f}"), ("requests/s", "{requests_per_s:.2f}"),
+        ("latency p50 (s)", "{latency_p50_s:.3f}"), ("latency p99 (s)", "{latency_p99_s:.3f}"),
+        ("TTFT p50 (s)", "{ttft_p50_s:.3f}"), ("TTFT p99 (s)", "{ttft_p99_s:.3f}"),
+        ("tokens/step", "{tps}")]
+
+
+def format_reports(reports: dict[str, dict]) -> str:
+  names = list(reports)
+  lines = [f"{'':22}" + "".join(f"{n:>14}" for n in names)]
+  for label, fmt in ROWS:
+    cells = []
+    for n in names:
+      r = reports[n]
+      tps = "-" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
+      cells.append(fmt.format(tps=tps, **r))
+    lines.append(f"{label:22}" + "".join(f"{c:>14}" for c in cells))
+  if len(names) == 2 and reports[names[1]]["tokens_per_s"] > 0:
+    a, b = (reports[n]["tokens_per_s"] for n in names)
+    lines.append(f"{'speedup (throughput)':22}{a / b:>14.2f}x  ({names[0]} / {names[1]})")
+  for n in names:
+    for e in reports[n]["errors"]:
+      lines.append(f"{n} error: {e}")
+  return "\n".join(lines)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: str) -> None:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise SystemExit(f"error: the server exited with status {proc.returncode}; see {log_path}")
+    try:
+      if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+        return
+    except httpx.HTTPError:
+      pass
+    time.sleep(1)
+  raise SystemExit(f"error: the server was not healthy within {timeout} s; see {log_path}")
+
+
+def compare(args) -> dict[str, dict]:
+  """Start the server twice (ReDrafter, then AR) with the same settings; load-test each."""
+  reports = {}
+  for mode in ("redrafter", "ar"):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "redrafter_jax.cli", "serve", "--config", args.config,
+           "--host", "127.0.0.1", "--port", str(port), "--slots", str(args.slots),
+           "--max-tokens", str(max(args.max_tokens, 1))]
+    if mode == "ar":
+      cmd.append("--ar")
+    elif args.random_drafter:
+      cmd.append("--random-drafter")
+    elif args.drafter:
+      cmd += ["--drafter", args.drafter]
+    cmd += args.server_args
+    log_path = os.path.join(tempfile.gettempdir(), f"redrafter-loadtest-{mode}-{port}.log")
+    print(f"[{mode}] starting: {' '.join(cmd)} (log: {log_path})", flush=True)
+    with open(log_path, "w") as log_file:
+      proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+      try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc, args.startup_timeout, log_path)
+        reports[mode] = run_load(url, **_load_kwargs(args))
+        print(f"[{mode}] done: {reports[mode]['completed']}/{args.requests} completed",
+              flush=True)
+      finally:
+        proc.terminate()
+        try:
+          proc.wait(30)
+        except subprocess.TimeoutExpired:
+          proc.kill()
+          proc.wait(10)
+  return reports
+
+
+def _load_kwargs(args) -> dict:
+  prompts = read_prompts(args.prompts, args.prompt_limit) if args.prompts else None
+  return dict(requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
+              temperature=args.temperature, prompts=prompts, warmup=args.warmup,
+              timeout=args.request_timeout, deadline=args.deadline)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.serving.loadtest",
+                              description=__doc__.splitlines()[0])
+  target = p.add_mutually_exclusive_group(required=True)
+  target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+  target.add_argument("--compare", action="store_true",
+                      help="start the server twice (ReDrafter, then --ar) and compare")
+  p.add_argument("--requests", type=int, default=64)
+  p.add_argument("--concurrency", type=int, default=16)
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--prompts", default=None, help="JSON-lines file with a 'prompt' per line")
+  p.add_argument("--prompt-limit", type=int, default=None)
+  p.add_argument("--warmup", type=int, default=None,
+                 help="unmeasured requests first (default: --concurrency)")
+  p.add_argument("--request-timeout", type=float, default=300.0)
+  p.add_argument("--deadline", type=float, default=1800.0, help="seconds for the whole run")
+  p.add_argument("--json", action="store_true", help="print the reports as JSON too")
+  srv = p.add_argument_group("--compare: how to start the servers")
+  srv.add_argument("--config", default="configs/tiny.yaml")
+  srv.add_argument("--drafter", default=None)
+  srv.add_argument("--random-drafter", action="store_true")
+  srv.add_argument("--slots", type=int, default=8)
+  srv.add_argument("--startup-timeout", type=float, default=900.0)
+  srv.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                   help="further `serve` arguments (last on the line)")
+  args = p.parse_args(argv)
+  if min(args.requests, args.concurrency, args.max_tokens) < 1:
+    p.error("--requests, --concurrency and --max-tokens must be >= 1")
+  if args.compare:
+    reports = compare(args)
+  else:
+    reports = {"server": run_load(args.url, **_load_kwargs(args))}
+  print(f"\n{args.requests} requests, {args.concurrency} concurrent clients, "
+        f"max_tokens {args.max_tokens}, temperature {args.temperature}")
+  print(format_reports(reports))
+  if args.json:
+    print(json.dumps(reports, indent=1))
+  ok = all(r["completed"] == r["requests"] for r in reports.values())
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,137 @@
+"""Where the server's model and slot batch live, and the jitted calls that change the batch.
+
+The base LLM is split over the ``model`` axis of a device mesh (tensor parallel, the rules of
+``sharding.py``); the drafter is replicated; the slot batch keeps its KV cache split over kv
+heads where the axis divides them, everything else replicated. On one device all of this is a
+no-op. Each call is jitted once per static shape (prompt bucket, filter on/off) with the batch
+donated, so the batch never leaves the devices; only ``StepOut`` and the first token come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from redrafter_jax import decode as decode_lib
+from redrafter_jax import sharding as sh
+from redrafter_jax.config import ConfigError
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
+from redrafter_jax.serving import batch as batch_lib
+
+log = logging.getLogger(__name__)
+
+
+def serving_mesh(devices: int | None = None) -> jax.sharding.Mesh:
+  """A ``(data=1, model=n)`` mesh over the first ``n`` devices (default: all local devices)."""
+  available = jax.local_devices()
+  n = len(available) if devices is None else devices
+  if not isinstance(n, int) or not 1 <= n <= len(available):
+    raise ConfigError(f"serving: devices must be in [1, {len(available)}], got {devices!r}")
+  return sh.make_mesh(data=1, model=n, devices=available[:n])
+
+
+def prompt_bucket(n: int, minimum: int, maximum: int) -> int:
+  """Padded prompt length: a power of two >= ``minimum``, at most ``maximum``."""
+  return min(max(minimum, 1 << max(n - 1, 0).bit_length()), maximum)
+
+
+class Placement:
+  """The device side of an ``Engine``: model state, slot batch and compiled steps."""
+
+  def __init__(self, llm: Llama, drafter: Drafter | None, config, stop_ids: Sequence[int], *,
+               mesh=None):
+    self.config = config
+    self.mesh = mesh if mesh is not None else serving_mesh(1)
+    repl = sh.replicated(self.mesh)
+    self._llm_def, llm_state = nnx.split(llm)
+    self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
+    self._drafter_def, self.drafter_state = None, None
+    if drafter is not None:
+      drafter = decode_lib.draft_model(drafter, config.decode)  # draft_vocab_size, if set
+      self._drafter_def, drafter_state = nnx.split(drafter)
+      self.drafter_state = jax.device_put(drafter_state, repl)
+    llm_cfg, dtype = llm.config, llm.dtype
+    self._empty = lambda: batch_lib.empty(
+        llm_cfg, dtype, config.slots, config.max_context, config.max_tokens,
+        config.decode.beam_length)
+    self._batch_sharding = self._shardings(jax.eval_shape(self._empty), llm.config.num_kv_heads)
+    self._new_batch = jax.jit(self._empty, out_shardings=self._batch_sharding)
+    self.batch = self._new_batch()
+    self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
+    self._out = (self._batch_sharding, repl)
+    self._admit_fns: dict[bool, object] = {}
+    self._step_fns: dict[bool, object] = {}
+    self._seen: set[tuple[int, bool]] = set()
+
+  def _shardings(self, abstract_batch, num_kv_heads: int):
+    model = self.mesh.shape[sh.MODEL]
+    kv = P(None, None, None, sh.MODEL, None) if num_kv_heads % model == 0 else P()
+
+    def one(path, _):
+      name = sh.path_name(path)
+      spec = kv if name.endswith(("cache.k", "cache.v")) else P()
+      return NamedSharding(self.mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, abstract_batch)
+
+  def reset(self) -> None:
+    """A fresh batch (all slots free), e.g. after a failed step left donated buffers behind."""
+    self.batch = self._new_batch()
+
+  def admit(self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float,
+            top_k: int, max_tokens: int) -> int:
+    """Prefill ``prompt`` into ``slot``; returns the request's first token."""
+    cfg = self.config
+    filtered = temperature > 0 and (top_p < 1 or top_k > 0)
+    fn = self._admit_fns.get(filtered)
+    if fn is None:
+      llm_def = self._llm_def
+
+      def admit(llm_state, batch, *args):
+        return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args, filtered=filtered)
+
+      fn = self._admit_fns[filtered] = jax.jit(admit, donate_argnums=(1,),
+                                               out_shardings=self._out)
+    T = prompt_bucket(len(prompt), cfg.min_bucket, cfg.max_context)
+    if (T, filtered) not in self._seen:
+      self._seen.add((T, filtered))
+      log.info("first prompt of bucket %d (filter %s): compiling its prefill", T, filtered)
+    tokens_1T = np.zeros((1, T), np.int32)
+    tokens_1T[0, :len(prompt)] = prompt
+    self.batch, first = fn(self.llm_state, self.batch, np.int32(slot), tokens_1T,
+                           np.int32(len(prompt)), np.uint32(seed & 0xFFFFFFFF),
+                           np.uint32(seed >> 32), np.float32(temperature), np.float32(top_p),
+                           np.int32(top_k), np.int32(max_tokens), self.stop_ids)
+    return int(first)
+
+  def step(self, filtered: bool) -> batch_lib.StepOut:
+    """One step for every slot; returns the host copy of what each row gained."""
+    fn = self._step_fns.get(filtered)
+    if fn is None:
+      fn = self._step_fns[filtered] = self._make_step(filtered)
+    self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids)
+    return jax.device_get(out)
+
+  def _make_step(self, filtered: bool):
+    llm_def, drafter_def = self._llm_def, self._drafter_def
+    # Output rows hold up to max_tokens; each request's own limit is applied per row.
+    dcfg = dataclasses.replace(decode_lib.static_config(self.config.decode),
+                               max_new_tokens=self.config.max_tokens)
+    speculative = self.config.speculative
+
+    def step(llm_state, drafter_state, batch, stop_ids):
+      llm = nnx.merge(llm_def, llm_state)
+      if speculative:
+        return batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), batch, stop_ids,
+                                   dcfg, filtered=filtered)
+      return batch_lib.ar_step(llm, batch, stop_ids, filtered=filtered)
+
+    return jax.jit(step, donate_argnums=(2,), out_shardings=self._out)

@@ -1,0 +1,157 @@
+"""Assemble a server from a preset (model, tokenizer, drafter, mesh, engine, app) and run it.
+
+``build`` loads everything; ``ServerThread`` runs uvicorn in a background thread on a socket
+bound before it starts (tests and the load test's own servers: no port races, bounded waits);
+``serve_forever`` runs it in the foreground until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import socket
+import threading
+import time
+
+from flax import nnx
+
+from redrafter_jax.config import ConfigError, Preset
+from redrafter_jax.serving.app import SamplingDefaults, create_app
+from redrafter_jax.serving.engine import Engine, EngineConfig, GenerationRequest
+from redrafter_jax.serving.placement import serving_mesh
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Server:
+  """A ready app and the engine behind it (the engine thread is already running)."""
+
+  app: object
+  engine: Engine
+  model_name: str
+
+  def close(self) -> None:
+    self.engine.stop()
+
+
+def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool, seed: int = 0):
+  """The drafter to serve: a random one (tests), ``path``, or the preset's ``drafter_path``."""
+  from redrafter_jax.models.drafter import Drafter
+
+  if random:
+    return Drafter(preset.drafter_config(llm_cfg), rngs=nnx.Rngs(seed))
+  path = path or preset.drafter_path
+  if path is None:
+    raise ConfigError("no drafter to serve: set drafter_path in the preset, pass --drafter PATH, "
+                      "or use --random-drafter (tests) or --ar (no speculation)")
+  if not pathlib.Path(path).exists():
+    raise ConfigError(f"drafter not found: {path} (train one, or pass --drafter PATH)")
+  from redrafter_jax.weights.drafter_io import load_drafter
+
+  return load_drafter(path)
+
+
+def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
+          max_tokens: int = 512, default_max_tokens: int | None = None, max_queue: int = 64,
+          speculative: bool = True, drafter_path: str | None = None,
+          random_drafter: bool = False, devices: int | None = None,
+          model_name: str | None = None, warmup: bool = False) -> Server:
+  """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
+
+  ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
+  requests that do not say) to the preset's ``decode.max_new_tokens``.
+  """
+  from redrafter_jax import tokenizer as tokenizer_lib
+  from redrafter_jax.distill import load_teacher, load_teacher_tokenizer
+
+  mesh = serving_mesh(devices)
+  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype)
+  tok = load_teacher_tokenizer(preset.model)
+  engine_config = EngineConfig(
+      slots=slots, max_context=max_context or min(2048, llm_cfg.max_position_embeddings),
+      max_tokens=max_tokens, default_max_tokens=default_max_tokens or preset.decode.max_new_tokens,
+      max_queue=max_queue, speculative=speculative, decode=preset.decode)
+  drafter = None
+  if engine_config.speculative:
+    drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
+  engine = Engine(llm, tok, drafter, config=engine_config,
+                  stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
+  del llm, drafter  # the engine holds the placed copies
+  engine.start()
+  if warmup:
+    t0 = time.perf_counter()
+    engine.generate(GenerationRequest(prompt_ids=[0], max_tokens=2), timeout=600)
+    log.info("warm-up (compiling the step and the first prompt bucket) took %.1f s",
+             time.perf_counter() - t0)
+  d = preset.decode
+  name = model_name or preset.model
+  app = create_app(engine, tok, model_name=name,
+                   defaults=SamplingDefaults(d.temperature, d.top_p, d.top_k))
+  log.info("serving %s (%s, %d slots, %d device(s) on the model axis)", name, engine.mode,
+           engine_config.slots, mesh.shape["model"])
+  return Server(app, engine, name)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind((host, port))
+  return sock
+
+
+def _uvicorn_server(app, log_level: str):
+  import uvicorn
+
+  config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "info",
+                          timeout_graceful_shutdown=5, lifespan="off")
+  return uvicorn.Server(config)
+
+
+class ServerThread:
+  """uvicorn serving ``app`` in a daemon thread; ``with ServerThread(app) as s: s.url``."""
+
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    self._sock = _bind(host, port)
+    self.host, self.port = host, self._sock.getsockname()[1]
+    self._server = _uvicorn_server(app, log_level)
+    self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                    name="uvicorn", daemon=True)
+
+  @property
+  def url(self) -> str:
+    host = f"[{self.host}]" if ":" in self.host else self.host
+    return f"http://{host}:{self.port}"
+
+  def start(self, timeout: float = 30.0) -> "ServerThread":
+    self._thread.start()
+    deadline = time.monotonic() + timeout
+    while not self._server.started:
+      if not self._thread.is_alive() or time.monotonic() > deadline:
+        raise RuntimeError(f"the HTTP server did not start within {timeout} s")
+      time.sleep(0.02)
+    return self
+
+  def stop(self, timeout: float = 15.0) -> None:
+    self._server.should_exit = True
+    self._thread.join(timeout)
+    self._sock.close()
+
+  def __enter__(self) -> "ServerThread":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+def serve_forever(server: Server, host: str, port: int) -> None:
+  """Serve until interrupted, then stop the engine."""
+  sock = _bind(host, port)
+  log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
+  try:
+    _uvicorn_server(server.app, "info").run(sockets=[sock])
+  finally:
+    sock.close()
+    server.close()

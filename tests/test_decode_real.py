@@ -1,0 +1,119 @@
+"""ReDrafter greedy output equals AR greedy output on the real SmolLM2-135M (Spec-Bench prompts).
+
+Two kinds of drafts: a random drafter (accepts almost nothing: tests the plain path) and an
+oracle that proposes the true AR continuation with errors planted at chosen depths (accepts every
+length 0..L-1: tests multi-token commits into the real model's cache). Where fp32 rounding makes
+two argmaxes differ, the test requires the LLM's top-2 logit gap there to be below 1e-4 (a tie).
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from oracle import OracleDrafter
+from redrafter_jax.config import DecodeConfig, DrafterConfig
+from redrafter_jax.decode import decode
+from redrafter_jax.generate import generate
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.tokenizer import encode
+
+pytestmark = pytest.mark.slow
+
+NEW = 64
+NUM_PROMPTS = 20
+TIE_GAP = 1e-4
+CACHE = 512  # one static cache size for every prompt here: one loop compilation per config
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2, spec_bench_path):
+  """20 prompts spread over the Spec-Bench categories (chat template, <= 320 tokens)."""
+  _, _, tok = smollm2
+  rows = [json.loads(line) for line in spec_bench_path.read_text().splitlines()]
+  by_cat = {}
+  for r in rows:
+    ids = encode(tok, r["prompt"], chat=True)
+    if len(ids) <= 320:
+      by_cat.setdefault(r["category"], []).append(ids)
+  chosen, i = [], 0
+  while len(chosen) < NUM_PROMPTS:  # round-robin over categories
+    for cat in sorted(by_cat):
+      if i < len(by_cat[cat]) and len(chosen) < NUM_PROMPTS:
+        chosen.append(by_cat[cat][i])
+    i += 1
+  assert len({len(p) for p in chosen}) > 5
+  return chosen
+
+
+@pytest.fixture(scope="module")
+def ar(smollm2, prompts):
+  model = smollm2[0]
+  out = []
+  for i in range(0, len(prompts), 4):
+    out += generate(model, prompts[i:i + 4], max_new_tokens=NEW).tokens
+  return out
+
+
+def assert_same_or_tie(model, prompt, got, want):
+  """Token lists equal, or they diverge exactly where the LLM's top-2 logits tie."""
+  if got == want:
+    return 0
+  i = next(k for k in range(min(len(got), len(want))) if got[k] != want[k])
+  seq = jnp.asarray([prompt + want[:i]])
+  T = seq.shape[1]
+  logits, _, _ = model(seq, jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)), None)
+  top2 = np.sort(np.asarray(logits[0, -1]))[-2:]
+  gap = float(top2[1] - top2[0])
+  assert gap < TIE_GAP, f"outputs diverge at token {i} where the top-2 logit gap is {gap}"
+  return 1
+
+
+def check_all(model, prompts, got, want):
+  ties = sum(assert_same_or_tie(model, p, g, w) for p, g, w in zip(prompts, got, want))
+  assert ties <= 2, f"{ties} ties in {len(prompts)} prompts is not plausible rounding"
+
+
+@pytest.fixture(scope="module")
+def random_drafter(smollm2):
+  cfg = smollm2[1]
+  return Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                               exit_dim=256), rngs=nnx.Rngs(0))
+
+
+def oracle_decode(model, vocab_size, prompts, ar, cfg, batch):
+  got, hist = [], np.zeros(cfg.beam_length, int)
+  for i in range(0, len(prompts), batch):
+    rows = ar[i:i + batch]
+    ref = np.zeros((len(rows), NEW), np.int32)
+    for r, t in enumerate(rows):
+      ref[r, :len(t)] = t
+    r = decode(model, OracleDrafter(ref, vocab_size), prompts[i:i + batch], cfg)
+    got += r.tokens
+    hist += np.asarray(r.metrics["accepted_length_histogram"])
+  return got, hist
+
+
+@pytest.mark.parametrize("W,L,budget,batch", [(4, 5, None, 4), (8, 5, 16, 1)])
+def test_oracle_drafter_all_prompts(smollm2, prompts, ar, W, L, budget, batch):
+  """All 20 prompts x 64 tokens, batch 4 and batch 1, drafts that are accepted at every depth."""
+  model, cfg_llm, _ = smollm2
+  cfg = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=NEW, token_budget=budget,
+                     cache_size=CACHE)
+  got, hist = oracle_decode(model, cfg_llm.vocab_size, prompts, ar, cfg, batch)
+  check_all(model, prompts, got, ar)
+  assert (hist > 0).all(), hist  # every accepted length 0..L-1 was committed
+
+
+@pytest.mark.parametrize("W,L,batch,count", [(4, 4, 1, 4), (2, 3, 4, 8)])
+def test_random_drafter(smollm2, prompts, ar, random_drafter, W, L, batch, count):
+  """The drafter's own beam search (restricted draft vocabulary) on the real model."""
+  model = smollm2[0]
+  cfg = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=NEW, draft_vocab_size=4096,
+                     cache_size=CACHE)
+  got = []
+  for i in range(0, count, batch):
+    got += decode(model, random_drafter, prompts[i:i + batch], cfg).tokens
+  check_all(model, prompts[:count], got, ar[:count])

@@ -1,0 +1,345 @@
+"""The OpenAI-compatible HTTP server, in-process on 127.0.0.1 (uvicorn in a thread), driven by
+the official ``openai`` client and raw HTTP: parity with ``decode()``, streaming, stop strings,
+seeds, bad input, queue limit, disconnects, metrics, and a small load test."""
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from flax import nnx
+from jax.experimental import io_callback
+
+from redrafter_jax import tokenizer as tokenizer_lib
+from redrafter_jax.config import DecodeConfig, LlamaConfig
+from redrafter_jax.decode import decode
+from redrafter_jax.models.llama import Llama
+from redrafter_jax.serving import loadtest, testing
+from redrafter_jax.serving.app import create_app
+from redrafter_jax.serving.engine import Engine, EngineConfig
+from redrafter_jax.serving.server import ServerThread
+
+V = 256
+EOS = 2
+MODEL = "tiny-test"
+LLM_CFG = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+                      max_position_embeddings=512)
+DCFG = DecodeConfig(beam_width=3, beam_length=4, max_new_tokens=32)
+ECFG = EngineConfig(slots=4, max_context=128, max_tokens=32, max_queue=32, decode=DCFG)
+RNG = np.random.default_rng(1)
+PROMPTS = [" ".join(f"w{i}" for i in RNG.integers(0, V - 6, size=n)) for n in
+           [1, 4, 30, 9, 15, 2, 26, 6, 20, 11, 3, 17, 8, 24, 5, 13]]
+MAX_TOKENS = [16, 4, 9, 1, 32, 7, 12, 25, 3, 16, 10, 2, 16, 6, 14, 8]
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return Llama(LLM_CFG, rngs=nnx.Rngs(3))
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return testing.word_tokenizer(V)
+
+
+@pytest.fixture(scope="module")
+def server(llm, tok):
+  engine = Engine(llm, tok, testing.SelfDrafter(V), config=ECFG, stop_ids=[EOS]).start()
+  with ServerThread(create_app(engine, tok, model_name=MODEL)) as srv:
+    yield srv
+  engine.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy_text(llm, prompt_ids: list[list[int]], max_tokens: list[int]) -> list[str]:
+  """What the server must answer at temperature 0: ``decode()``'s tokens, as text."""
+  tokens = decode(llm, testing.SelfDrafter(V), prompt_ids, DCFG, stop_ids=[EOS]).tokens
+  return [testing.word_text(t for t in row[:m] if t != EOS) for row, m in zip(tokens, max_tokens)]
+
+
+def encode(tok, text):
+  return tokenizer_lib.encode(tok, text, chat=False)
+
+
+def test_completion_and_chat_match_decode(client, llm, tok):
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0)
+  chat_ids = tokenizer_lib.encode_messages(tok, [{"role": "user", "content": PROMPTS[4]}])
+  c = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0,
+                                     messages=[{"role": "user", "content": PROMPTS[4]}])
+  want = greedy_text(llm, [encode(tok, PROMPTS[2]), chat_ids], [12, 12])
+  assert r.choices[0].text == want[0] and r.object == "text_completion"
+  assert c.choices[0].message.content == want[1] and c.choices[0].message.role == "assistant"
+  for resp, prompt_len in ((r, len(encode(tok, PROMPTS[2]))), (c, len(chat_ids))):
+    assert resp.model == MODEL and resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.prompt_tokens == prompt_len
+    spec = resp.usage.model_extra["speculative"]
+    assert spec["mode"] == "redrafter" and spec["steps"] >= 1
+    assert spec["tokens_per_step"] == pytest.approx((spec["accepted_tokens"] + spec["steps"])
+                                                    / spec["steps"])
+    assert spec["accepted_tokens"] > 0  # the self-drafter's drafts are mostly right
+
+
+def test_streaming_equals_non_streaming(client):
+  plain = client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=20, temperature=0)
+  chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=20,
+                                          temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+  text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+  assert text == plain.choices[0].text
+  assert len([ch for ch in chunks if ch.choices and ch.choices[0].text]) > 1  # really streamed
+  assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == \
+      plain.choices[0].finish_reason
+  assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+  messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": PROMPTS[3]}]
+  plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                         temperature=0)
+  chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                               temperature=0, stream=True))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == \
+      plain.choices[0].message.content
+  assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_stop_strings(client):
+  full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24,
+                                   temperature=0).choices[0].text
+  words = full.split(" ")
+  stop = " ".join(words[3:5])
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                stop=[stop])
+  assert r.choices[0].finish_reason == "stop"
+  assert r.choices[0].text == full[:full.index(stop)]
+  streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+      model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop, stream=True))
+  assert streamed == r.choices[0].text
+
+
+def test_seed_reproducible_with_concurrent_requests(client):
+  ask = lambda seed, prompt=PROMPTS[5]: client.completions.create(
+      model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=seed).choices[0].text
+  alone = ask(7)
+  with cf.ThreadPoolExecutor(6) as pool:
+    noise = [pool.submit(ask, 100 + i, PROMPTS[i]) for i in range(5)]
+    again = pool.submit(ask, 7)
+    texts = [f.result(timeout=300) for f in noise]
+  assert again.result(timeout=300) == alone
+  assert ask(8) != alone
+  assert len(set(texts)) > 1
+
+
+def test_sixteen_concurrent_requests_match_decode(client, llm, tok):
+  def ask(i):
+    return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i],
+                                     temperature=0).choices[0].text
+  with cf.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(ask, range(16), timeout=600))
+  assert got == greedy_text(llm, [encode(tok, p) for p in PROMPTS], MAX_TOKENS)
+
+
+def _post(url, path, body: bytes | str | dict):
+  content = json.dumps(body) if isinstance(body, dict) else body
+  return httpx.post(f"{url}{path}", content=content, timeout=60,
+                    headers={"content-type": "application/json"})
+
+
+GOOD = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
+BAD = [  # (path, body, status, param)
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 200)}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 100), "max_tokens": 30}, 400,
+     "max_tokens"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 2, V + 1]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "w1"}, 400, "model"),
+    ("/v1/completions", '{"model": "tiny-test", "prompt": "w1"', 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", "", 400, None),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+]
+
+
+def test_bad_input_gets_4xx_and_the_server_keeps_serving(server):
+  for path, body, status, param in BAD:
+    r = _post(server.url, path, body)
+    assert r.status_code == status, (body, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["param"] == param, (body, err)
+    good = _post(server.url, "/v1/completions", GOOD)
+    assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
+  assert httpx.get(f"{server.url}/v1/nothing", timeout=10).json()["error"]["code"] == "not_found"
+
+
+def _wait(predicate, timeout=120.0):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.05)
+
+
+def _health(url):
+  return httpx.get(f"{url}/health", timeout=10).json()
+
+
+def _metric(url, name):
+  """A sample's value from /metrics; ``name`` may include labels (0 when absent)."""
+  for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    key, _, value = line.rpartition(" ")
+    if key == name:
+      return float(value)
+  return 0.0
+
+
+# While GATE is clear, every decode step of the one-slot server blocks (inside the jitted step,
+# through a host callback), so a request stays in its slot for as long as a test needs:
+# no test depends on how fast the tiny model is.
+GATE = threading.Event()
+GATE.set()
+
+
+def _pass_gate():
+  GATE.wait(60)
+  return np.int32(0)
+
+
+class GatedDrafter(testing.SelfDrafter):
+
+  def propose(self, llm, state, cfg):
+    beams = super().propose(llm, state, cfg)
+    zero = io_callback(_pass_gate, jax.ShapeDtypeStruct((), jnp.int32))
+    return beams.replace(beams_BWL=beams.beams_BWL + zero)
+
+
+@pytest.fixture(scope="module")
+def one_slot(llm, tok):
+  """One slot and one waiting place, with gated steps."""
+  cfg = EngineConfig(slots=1, max_context=512, max_tokens=400, max_queue=1, decode=DCFG)
+  engine = Engine(llm, tok, GatedDrafter(V), config=cfg, stop_ids=()).start()
+  try:
+    with ServerThread(create_app(engine, tok, model_name=MODEL)) as srv:
+      yield srv, engine
+  finally:
+    GATE.set()
+    engine.stop()
+
+
+CANCELLED = 'redrafter_requests_total{finish_reason="cancelled"}'
+LONG = {"model": MODEL, "prompt": "w1", "max_tokens": 400}
+
+
+def _slot_cancelled(engine) -> bool:
+  active = engine._slots[0]  # the engine sees a cancellation at its next step boundary
+  return active is not None and active.handle.cancelled
+
+
+def test_queue_limit_429_and_disconnect_frees_the_slot(one_slot):
+  srv, engine = one_slot
+  url = srv.url
+  cancelled = _metric(url, CANCELLED)
+  GATE.clear()
+  try:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
+                      timeout=120) as first:
+      next(line for line in first.iter_lines() if line.startswith("data: "))  # in the slot
+      result = {}
+      waiter = threading.Thread(target=lambda: result.update(
+          r=_post(url, "/v1/completions", {**GOOD, "max_tokens": 3})))
+      waiter.start()
+      _wait(lambda: _health(url)["queue_length"] == 1)
+      refused = _post(url, "/v1/completions", GOOD)  # slot busy, queue full
+      assert refused.status_code == 429, refused.text
+      assert refused.json()["error"]["code"] == "queue_full"
+      assert refused.headers["retry-after"] == "1"
+    _wait(lambda: _slot_cancelled(engine))  # leaving mid-stream cancelled the request
+  finally:
+    GATE.set()
+  waiter.join(120)  # the waiting request got the freed slot
+  assert result["r"].status_code == 200
+  assert result["r"].json()["usage"]["completion_tokens"] == 3
+  assert _metric(url, CANCELLED) == cancelled + 1
+  assert _health(url)["active_slots"] == 0
+  assert _post(url, "/v1/completions", GOOD).status_code == 200
+
+
+def test_client_that_gives_up_on_a_plain_request_is_cancelled(one_slot):
+  srv, engine = one_slot
+  url = srv.url
+  cancelled = _metric(url, CANCELLED)
+  GATE.clear()
+  try:
+    with pytest.raises(httpx.TimeoutException):
+      httpx.post(f"{url}/v1/completions", json=LONG, timeout=0.5)
+    _wait(lambda: _slot_cancelled(engine))
+  finally:
+    GATE.set()
+  _wait(lambda: _metric(url, CANCELLED) == cancelled + 1)
+  _wait(lambda: _health(url)["active_slots"] == 0)
+  assert _post(url, "/v1/completions", GOOD).status_code == 200
+
+
+def test_models_health_and_metrics(server, client):
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  health = _health(server.url)
+  assert health["status"] == "ok" and health["mode"] == "redrafter" and health["slots"] == 4
+  client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+  text = httpx.get(f"{server.url}/metrics", timeout=10).text
+  for name in ("redrafter_requests_total", "redrafter_generation_tokens_total",
+               "redrafter_tokens_per_step_bucket", 'redrafter_acceptance_rate{depth="1"}',
+               'redrafter_acceptance_rate{depth="3"}', "redrafter_queue_length",
+               "redrafter_active_slots", "redrafter_step_seconds_bucket",
+               "redrafter_time_to_first_token_seconds_bucket"):
+    assert name in text, name
+  steps = _metric(server.url, "redrafter_tokens_per_step_count")
+  total = _metric(server.url, "redrafter_tokens_per_step_sum")
+  assert steps > 0 and total / steps > 1.2  # the self-drafter's multi-token steps
+  # Row-steps reaching each depth add up to the tokens, and give the per-depth rates.
+  reached = [_metric(server.url, f'redrafter_draft_accepted_at_depth_total{{depth="{d}"}}')
+             for d in range(DCFG.beam_length)]
+  assert reached[0] == steps and sum(reached) == total
+  for d in range(1, DCFG.beam_length):
+    rate = _metric(server.url, f'redrafter_acceptance_rate{{depth="{d}"}}')
+    assert rate == pytest.approx(reached[d] / reached[d - 1])
+
+
+def test_small_load_test_all_complete(server, capsys):
+  """The load-test script against this server: 16 requests from 4 clients, none lost."""
+  code = loadtest.main(["--url", server.url, "--requests", "16", "--concurrency", "4",
+                        "--max-tokens", "8", "--warmup", "0", "--json"])
+  out = capsys.readouterr().out
+  report = json.loads(out[out.index("{\n"):])["server"]
+  assert code == 0, out
+  assert (report["completed"], report["failed"], report["lost"]) == (16, 0, 0), report
+  assert 16 <= report["completion_tokens"] <= 16 * 8
+  assert report["latency_p99_s"] >= report["latency_p50_s"] > 0
+  assert report["tokens_per_step"] > 1  # the self-drafter's drafts were accepted
+  assert "16/16" in out and "latency p99" in out
