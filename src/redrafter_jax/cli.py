@@ -53,6 +53,7 @@ def _available():
 
 def main(argv: list[str] | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  logging.getLogger("jax").setLevel(logging.WARNING)  # not its INFO notes on absent backends
   parser = argparse.ArgumentParser(prog="redrafter-jax", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   modules = _available()

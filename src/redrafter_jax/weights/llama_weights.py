@@ -7,15 +7,17 @@ first use), a ``.gguf`` file, a folder holding one ``.gguf``, or a Hugging Face 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from redrafter_jax.config import ConfigError, LlamaConfig
+from redrafter_jax.config import ConfigError, LlamaConfig, RopeScaling
 from redrafter_jax.models.attention import check_backend
-from redrafter_jax.models.llama import Llama, abstract_llama
+from redrafter_jax.models.llama import Llama, abstract_llama, rope_inv_freq
 from redrafter_jax.weights.naming import NameTable, Rule, WeightsError
 from redrafter_jax.weights.params import load_into
 
@@ -90,19 +92,45 @@ def gguf_config(reader) -> LlamaConfig:
   hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
   names = {t.name for t in reader.tensors}
   vocab = g("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens"))
-  scaling = None
-  if g("rope.scaling.type") not in (None, "none", "linear") and g("rope.scaling.factor"):
-    raise ConfigError(f"unsupported GGUF rope scaling {g('rope.scaling.type')!r}")
+  if g("rope.scaling.type") not in (None, "none") and g("rope.scaling.factor", 1.0) != 1.0:
+    raise ConfigError(f"unsupported GGUF rope scaling {g('rope.scaling.type')!r} "
+                      f"(factor {g('rope.scaling.factor')}); supported: none, llama3")
+  head_dim = int(g("rope.dimension_count", hidden // heads))
+  theta = float(g("rope.freq_base", 10000.0))
+  scaling = _llama3_scaling_from_rope_freqs(reader, head_dim, theta)
   return LlamaConfig(
       vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(g("feed_forward_length")),
       num_layers=int(g("block_count")), num_heads=heads,
       num_kv_heads=int(g("attention.head_count_kv", heads)),
-      head_dim=int(g("rope.dimension_count", hidden // heads)),
-      rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+      head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
       rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
       tie_word_embeddings="output.weight" not in names,
       attention_bias="blk.0.attn_q.bias" in names,
       max_position_embeddings=int(g("context_length", 8192)))
+
+
+def _llama3_scaling_from_rope_freqs(reader, head_dim: int, theta: float) -> RopeScaling | None:
+  """Llama-3 GGUFs store their RoPE scaling only as per-frequency divisors (``rope_freqs``).
+
+  Recover the ``llama3`` parameters when the divisors are exactly what Meta's published
+  parameters give (every Llama 3.x release); anything else is refused rather than ignored.
+  """
+  tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+  if tensor is None:
+    return None
+  divisors = np.asarray(tensor.data, np.float32).reshape(-1)
+  if np.allclose(divisors, 1.0):
+    return None
+  base = LlamaConfig(vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                     num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta)
+  scaling = RopeScaling(factor=float(divisors.max()), low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=8192)
+  plain = np.asarray(rope_inv_freq(base))
+  scaled = np.asarray(rope_inv_freq(dataclasses.replace(base, rope_scaling=scaling)))
+  if divisors.shape != plain.shape or not np.allclose(plain / scaled, divisors, rtol=1e-4):
+    raise ConfigError("unsupported GGUF rope_freqs (RoPE scaling that is not Llama-3's); load "
+                      "the Hugging Face folder of this model instead")
+  return scaling
 
 
 def read_gguf(path: pathlib.Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
@@ -132,7 +160,7 @@ def read_gguf(path: pathlib.Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
 
 
 def read_hf_folder(folder: pathlib.Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-  from safetensors.numpy import load_file
+  from safetensors.flax import load_file
 
   cfg_path = folder / "config.json"
   if not cfg_path.is_file():
@@ -143,8 +171,11 @@ def read_hf_folder(folder: pathlib.Path) -> tuple[LlamaConfig, dict[str, np.ndar
     raise WeightsError(f"{folder}: no *.safetensors files")
   tensors = {}
   for f in files:
-    for name, value in load_file(str(f)).items():
-      tensors[name] = value
+    # The flax reader (not numpy's) understands bfloat16, the usual dtype of HF checkpoints;
+    # arrays stay on the host until ``load_into`` places them.
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+      for name, value in load_file(str(f)).items():
+        tensors[name] = np.asarray(value)
   return cfg, tensors
 
 

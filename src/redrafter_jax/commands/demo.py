@@ -1,0 +1,91 @@
+"""``redrafter-jax demo``: ReDrafter on the real SmolLM2-135M with the shipped drafter.
+
+Generates the answer to a few chat prompts twice, with plain AR greedy decoding and with
+ReDrafter greedy decoding, and prints the text, both speeds and the tokens per step. Compilation
+is done (and excluded) first; greedy ReDrafter must print exactly the AR text, and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+HELP = "run ReDrafter on SmolLM2-135M with the shipped drafter: text, speed, tokens/step"
+
+PROMPTS = (
+    "Explain in a short paragraph why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. How many clips did Natalia sell altogether in April and May?",
+)
+
+
+def add_arguments(p) -> None:
+  p.add_argument("--drafter", default="shipped", help="drafter folder (default: the shipped one)")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--beam-width", type=int, default=None, help="default: the drafter's own")
+  p.add_argument("--beam-length", type=int, default=None, help="default: the drafter's own")
+  p.add_argument("--prompt", action="append", default=None,
+                 help="a chat prompt (repeatable; default: three built-in ones)")
+
+
+def run(args) -> int:
+  from redrafter_jax.config import DecodeConfig
+  from redrafter_jax.decode import decode
+  from redrafter_jax.generate import generate
+  from redrafter_jax.shipped import decode_defaults, resolve_drafter
+  from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
+  from redrafter_jax.weights import fetch
+  from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  logging.getLogger("jax").setLevel(logging.WARNING)
+  path = resolve_drafter(args.drafter)
+  defaults = decode_defaults(path)
+  cfg = DecodeConfig(
+      beam_width=args.beam_width or defaults.get("beam_width", 4),
+      beam_length=args.beam_length or defaults.get("beam_length", 5),
+      token_budget=defaults.get("token_budget"),
+      draft_vocab_size=defaults.get("draft_vocab_size", 0),
+      max_new_tokens=args.max_new_tokens)
+  llm, _ = load_llama("smollm2-135m")
+  tok = load_tokenizer(fetch.model_path("smollm2-135m"))
+  drafter = load_drafter(path)
+  stops = stop_token_ids(tok)
+  prompts = [encode(tok, p, chat=True) for p in (args.prompt or PROMPTS)]
+  print(f"SmolLM2-135M-Instruct (fp32, CPU={len(__import__('os').sched_getaffinity(0))} cores), "
+        f"drafter {path}, W={cfg.beam_width} L={cfg.beam_length} "
+        f"N={cfg.num_tree_tokens} draft vocab={cfg.draft_vocab_size or 'all'}", flush=True)
+  print("compiling ...", flush=True)
+  generate(llm, prompts[:1], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+  decode(llm, drafter, prompts[:1], cfg, stop_ids=stops)
+  total = {"ar": [0, 0.0], "rd": [0, 0.0, 0]}
+  same = True
+  for text, ids in zip(args.prompt or PROMPTS, prompts):
+    t = time.perf_counter()
+    ar = generate(llm, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens[0]
+    t_ar = time.perf_counter() - t
+    t = time.perf_counter()
+    rd = decode(llm, drafter, [ids], cfg, stop_ids=stops)
+    t_rd = time.perf_counter() - t
+    same &= rd.tokens[0] == ar
+    total["ar"][0] += len(ar)
+    total["ar"][1] += t_ar
+    total["rd"][0] += len(rd.tokens[0])
+    total["rd"][1] += t_rd
+    total["rd"][2] += rd.metrics["steps"]
+    answer = tok.decode([x for x in rd.tokens[0] if x not in stops], skip_special_tokens=True)
+    print(f"\n>>> {text}\n{answer.strip()}\n"
+          f"[AR {len(ar) / t_ar:.1f} tok/s | ReDrafter {len(rd.tokens[0]) / t_rd:.1f} tok/s, "
+          f"{rd.metrics['tokens_per_step']:.2f} tokens/step | "
+          f"speedup {t_ar / t_rd * len(rd.tokens[0]) / max(len(ar), 1):.2f}x]", flush=True)
+  ar_tps = total["ar"][0] / total["ar"][1]
+  rd_tps = total["rd"][0] / total["rd"][1]
+  print(f"\nall prompts: AR {ar_tps:.1f} tok/s, ReDrafter {rd_tps:.1f} tok/s "
+        f"({rd_tps / ar_tps:.2f}x), {total['rd'][0] / max(total['rd'][2], 1):.2f} tokens/step; "
+        f"ReDrafter output identical to AR greedy: {'yes' if same else 'NO'}")
+  if not same:
+    print("warning: greedy outputs differ (see tests/test_decode_real.py for the tie check)",
+          file=sys.stderr)
+  return 0

@@ -1,0 +1,47 @@
+"""``redrafter-jax distill-data``: the frozen LLM writes the drafter's training data."""
+
+from redrafter_jax.cli import UserError
+
+HELP = "self-distillation data: the frozen LLM answers training prompts (sharded ArrayRecords)"
+
+
+def add_arguments(p):
+  p.add_argument("--prompts", required=True, help="JSON-lines prompts file ({id, prompt, ...})")
+  p.add_argument("--out", required=True, help="output folder (resumed if it exists)")
+  p.add_argument("--model", default="smollm2-135m",
+                 help="base model: known name, GGUF/HF path, or random:<spec> (tests)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--limit", type=int, default=None, help="use N prompts drawn at random (seeded) from the file")
+  p.add_argument("--max-new-tokens", type=int, default=256)
+  p.add_argument("--batch-size", type=int, default=16)
+  p.add_argument("--sampled-fraction", type=float, default=0.25,
+                 help="fraction of prompts also answered by sampling at T=1 (all get greedy)")
+  p.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
+  p.add_argument("--max-prompt-tokens", type=int, default=384,
+                 help="skip prompts longer than this (after the chat template)")
+  p.add_argument("--max-shards", type=int, default=None,
+                 help="stop after writing this many new shards (rerun to continue)")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+  import logging
+
+  logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax/grain narrate every step at INFO
+  from redrafter_jax import distill
+  from redrafter_jax.data import DataError
+
+  try:
+    llm, cfg = distill.load_teacher(args.model, dtype=args.dtype)
+    tok = distill.load_teacher_tokenizer(args.model)
+    stats = distill.distill(
+        llm, tok, args.prompts, args.out, model_name=args.model, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        sampled_fraction=args.sampled_fraction, shard_size=args.shard_size,
+        max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, max_shards=args.max_shards)
+  except DataError as e:
+    raise UserError(str(e)) from e
+  print(f"{args.out}: wrote {stats.shards_written} shard(s) ({stats.records} sequences, "
+        f"{stats.new_tokens} response tokens, {stats.tokens_per_s:.1f} tok/s), "
+        f"skipped {stats.shards_skipped} complete shard(s)")
+  return 0

@@ -1,0 +1,194 @@
+"""Distillation data: the on-disk record format and the grain input pipeline for training.
+
+On disk (written by ``redrafter-jax distill-data``, see ``distill.py``) a data folder holds
+``manifest.json`` and ArrayRecord shards ``shard-NNNNN.array_record``. One record is a msgpack
+map ``{"id": str, "sampled": bool, "tokens": int32 bytes, "mask": uint8 bytes}``: a prompt and
+the frozen LLM's response, with ``mask`` 1 on response tokens (the only training targets).
+
+In training the pipeline turns records into fixed-shape batches of local rows:
+
+  ``tokens``      int32 [B, T]  token ids (0 on padding)
+  ``loss_mask``   int32 [B, T]  1 where the token is a response token (may be a target)
+  ``segment_ids`` int32 [B, T]  which packed sequence a token belongs to, 0 on padding
+  ``positions``   int32 [B, T]  RoPE position within its own sequence
+
+A record longer than ``seq_len`` keeps a window of it (``_window``: the response, or at least
+half a row of it, after the end of the prompt). Order is fixed by the seed: shuffle records
+(reshuffled every epoch), optionally pack several sequences into one row (grain's first-fit
+packing) or pad each to ``seq_len``, batch to the GLOBAL batch, and keep this process's rows.
+Every process therefore walks the same global sequence of batches, so a run's batches do not
+depend on how many processes or devices share them, and the iterator state (grain's, saved in
+checkpoints) is the same on every process.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Iterator, Mapping, Sequence
+
+import grain
+import msgpack
+import numpy as np
+
+MANIFEST = "manifest.json"
+SHARD_SUFFIX = ".array_record"
+FIELDS = ("tokens", "loss_mask", "segment_ids", "positions")
+
+
+class DataError(ValueError):
+  """A data folder, prompts file or record is missing or malformed."""
+
+
+def encode_record(tokens: Sequence[int], mask: Sequence[int], *, id: str = "",
+                  sampled: bool = False) -> bytes:
+  tokens = np.asarray(tokens, np.int32)
+  mask = np.asarray(mask, np.uint8)
+  if tokens.ndim != 1 or tokens.shape != mask.shape:
+    raise DataError(f"record {id!r}: tokens {tokens.shape} and mask {mask.shape} must be equal 1-D")
+  return msgpack.packb({"id": str(id), "sampled": bool(sampled),
+                        "tokens": tokens.astype("<i4").tobytes(), "mask": mask.tobytes()})
+
+
+def decode_record(raw: bytes) -> dict[str, Any]:
+  """``{"id", "sampled", "tokens": int32 [n], "mask": uint8 [n]}`` from one stored record."""
+  rec = msgpack.unpackb(raw)
+  return {"id": rec["id"], "sampled": rec["sampled"],
+          "tokens": np.frombuffer(rec["tokens"], "<i4").astype(np.int32),
+          "mask": np.frombuffer(rec["mask"], np.uint8)}
+
+
+def write_shard(path: pathlib.Path, records: Sequence[bytes]) -> None:
+  """Write encoded records as one ArrayRecord file at ``path`` (the caller renames it in)."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  # group_size 1: every record is its own chunk, so random access reads one record.
+  writer = ArrayRecordWriter(str(path), "group_size:1")
+  try:
+    for rec in records:
+      writer.write(rec)
+  finally:
+    writer.close()
+
+
+def read_manifest(folder: str | pathlib.Path) -> dict[str, Any]:
+  folder = pathlib.Path(folder)
+  if not folder.is_dir():
+    raise DataError(f"data folder not found: {folder} (write one with `redrafter-jax "
+                    "distill-data --out DIR`)")
+  path = folder / MANIFEST
+  if not path.is_file():
+    raise DataError(f"{folder} has no {MANIFEST}: not a folder written by distill-data")
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}: invalid JSON ({e})") from e
+
+
+def shard_paths(folder: str | pathlib.Path) -> list[pathlib.Path]:
+  """The completed shards listed in the manifest, in order; every one must exist."""
+  folder = pathlib.Path(folder)
+  manifest = read_manifest(folder)
+  names = sorted(manifest.get("shards", {}))
+  if not names:
+    raise DataError(f"{folder}: the manifest lists no completed shards")
+  paths = [folder / name for name in names]
+  missing = [p.name for p in paths if not p.is_file()]
+  if missing:
+    raise DataError(f"{folder}: shard file(s) listed in the manifest are missing: {missing[:4]}")
+  return paths
+
+
+def read_records(folder: str | pathlib.Path) -> list[dict[str, Any]]:
+  """Every record of a data folder, decoded, in shard order (for tests and inspection)."""
+  from grain.sources import ArrayRecordDataSource
+
+  source = ArrayRecordDataSource([str(p) for p in shard_paths(folder)])
+  return [decode_record(source[i]) for i in range(len(source))]
+
+
+def token_counts(folder: str | pathlib.Path, vocab_size: int) -> np.ndarray:
+  """How often each token id occurs as a response token (``[vocab_size]`` int64)."""
+  counts = np.zeros((vocab_size,), np.int64)
+  for rec in read_records(folder):
+    ids = rec["tokens"][rec["mask"] > 0]
+    np.add.at(counts, ids[ids < vocab_size], 1)
+  return counts
+
+
+def _window(mask: np.ndarray, seq_len: int) -> slice:
+  """Which ``seq_len`` tokens of a longer record to keep: the whole response if the row has room,
+  at least half a row of it otherwise, and the END of the prompt before it (the part the first
+  response tokens depend on most)."""
+  n = mask.size
+  if n <= seq_len:
+    return slice(0, n)
+  n_prompt = int(np.argmax(mask > 0)) if mask.any() else n
+  keep_response = min(n - n_prompt, max(seq_len - n_prompt, seq_len // 2))
+  keep_prompt = min(n_prompt, seq_len - keep_response)
+  return slice(n_prompt - keep_prompt, n_prompt + keep_response)
+
+
+def _truncate(rec: Mapping[str, Any], seq_len: int, vocab_size: int | None) -> dict[str, Any]:
+  window = _window(rec["mask"], seq_len)
+  tokens = rec["tokens"][window]
+  if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
+    raise DataError(f"record {rec['id']!r} has token id {int(tokens.max())} >= the LLM's "
+                    f"vocab_size {vocab_size}: the data was made with another model")
+  return {"tokens": tokens, "loss_mask": rec["mask"][window].astype(np.int32)}
+
+
+def _pad(rec: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+  n = rec["tokens"].size
+  out = {}
+  for name in ("tokens", "loss_mask"):
+    row = np.zeros((seq_len,), np.int32)
+    row[:n] = rec[name]
+    out[name] = row
+  out["segment_ids"] = (np.arange(seq_len) < n).astype(np.int32)
+  out["positions"] = np.arange(seq_len, dtype=np.int32)
+  return out
+
+
+def _from_packed(rec: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {"tokens": rec["tokens"], "loss_mask": rec["loss_mask"],
+          "segment_ids": rec["tokens_segment_ids"], "positions": rec["tokens_positions"]}
+
+
+def _rows(batch: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
+  return {name: np.ascontiguousarray(batch[name][start:stop]) for name in FIELDS}
+
+
+def make_dataset(folder: str | pathlib.Path, *, seq_len: int, global_batch: int, seed: int,
+                 pack: bool = True, rows: tuple[int, int] | None = None,
+                 vocab_size: int | None = None, packing_bins: int | None = None
+                 ) -> grain.IterDataset:
+  """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
+
+  ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
+  """
+  start, stop = rows if rows is not None else (0, global_batch)
+  if not 0 <= start < stop <= global_batch:
+    raise DataError(f"rows {rows} are not a slice of the global batch of {global_batch}")
+  from grain.sources import ArrayRecordDataSource
+
+  source = ArrayRecordDataSource([str(p) for p in shard_paths(folder)])
+  if len(source) == 0:
+    raise DataError(f"{folder}: the shards hold no records")
+  # repeat() after shuffle() reseeds the shuffle every epoch (grain's documented behaviour).
+  ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+  ds = ds.map(decode_record).map(lambda rec: _truncate(rec, seq_len, vocab_size))
+  if pack:
+    bins = packing_bins or max(global_batch, 8)
+    it_ds = grain.experimental.FirstFitPackIterDataset(
+        ds.to_iter_dataset(), length_struct={"tokens": seq_len, "loss_mask": seq_len},
+        num_packing_bins=bins, seed=seed, shuffle_bins=True)
+    it_ds = it_ds.map(_from_packed)
+  else:
+    it_ds = ds.map(lambda rec: _pad(rec, seq_len)).to_iter_dataset()
+  return it_ds.batch(global_batch, drop_remainder=True).map(lambda b: _rows(b, start, stop))
+
+
+def make_iterator(folder, **kwargs) -> Iterator[dict[str, np.ndarray]]:
+  """A checkpointable iterator (``get_state()`` / ``set_state()``) over ``make_dataset``."""
+  return iter(make_dataset(folder, **kwargs))

@@ -1,0 +1,310 @@
+"""Teacher data for self-distillation: the frozen LLM answers the training prompts (DESIGN §7).
+
+Every prompt is answered once greedily; a seeded fraction is also answered by sampling at T=1,
+so the drafter sees the LLM's own continuations under both decoders. Jobs are sorted by prompt
+length and cut into shards of ``shard_size``; each shard is generated in fixed-size batches
+(``generate()``; the last batch is padded by repeating a job, so shapes and compiles stay few)
+and written as one ArrayRecord file under a temporary name, then renamed, then recorded in
+``manifest.json``. A rerun with the same settings skips the shards the manifest lists, so a
+killed job resumes where it stopped; other settings are refused rather than mixed in.
+
+Base models: a known name (``smollm2-135m``), a GGUF/HF path, or ``random:<spec>`` — a randomly
+initialised Llama for tests, where ``<spec>`` is ``tiny`` or a JSON object of ``LlamaConfig``
+fields overriding ``tiny``'s, plus optional ``"seed"`` and ``"tokenizer"``: ``"bytes"`` (the
+default: UTF-8 bytes with a minimal chat template, needs no download, fits ``tiny``'s vocabulary
+of 512) or a model name/path whose tokenizer to use, e.g.
+``random:{"vocab_size": 49152, "tokenizer": "smollm2-135m"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from redrafter_jax import data as data_lib
+from redrafter_jax.config import ConfigError, LlamaConfig
+from redrafter_jax.data import DataError
+from redrafter_jax.models.llama import Llama
+
+log = logging.getLogger(__name__)
+
+RANDOM_PREFIX = "random:"
+RANDOM_MODELS = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+                 max_position_embeddings=4096),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# ----------------------------------------------------------------------------- base model
+
+
+def _random_spec(spec: str) -> tuple[LlamaConfig, int, str]:
+  body = spec[len(RANDOM_PREFIX):].strip()
+  if body in RANDOM_MODELS:
+    fields: dict[str, Any] = {}
+  else:
+    try:
+      fields = json.loads(body)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"model {spec!r}: after 'random:' expected one of {list(RANDOM_MODELS)} "
+                        f"or a JSON object of LlamaConfig fields ({e})") from e
+    if not isinstance(fields, dict):
+      raise ConfigError(f"model {spec!r}: the JSON after 'random:' must be an object")
+    body = "tiny"
+  fields = dict(fields)
+  seed = int(fields.pop("seed", 0))
+  tokenizer = str(fields.pop("tokenizer", "bytes"))
+  cfg = LlamaConfig.from_dict({**RANDOM_MODELS[body], **fields})
+  return cfg, seed, tokenizer
+
+
+def is_random(spec: str) -> bool:
+  return str(spec).startswith(RANDOM_PREFIX)
+
+
+def load_teacher(spec: str, *, dtype: str = "float32", sharding=None) -> tuple[Llama, LlamaConfig]:
+  """The frozen base LLM for a model spec (known name, path, or ``random:<spec>``)."""
+  if dtype not in DTYPES:
+    raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+  if is_random(spec):
+    cfg, seed, _ = _random_spec(spec)
+    return Llama(cfg, dtype=DTYPES[dtype], rngs=nnx.Rngs(seed)), cfg
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  return load_llama(spec, dtype=DTYPES[dtype], sharding=sharding)
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens 3..258 (0 pad, 1 turn start, 2 turn end): a tokenizer for random
+  test models, with the slice of the ``transformers`` interface ``tokenizer.py`` uses."""
+
+  pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+  vocab_size = 259
+
+  def get_vocab(self) -> dict[str, int]:
+    return {"<pad>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+
+  def _bytes(self, text: str) -> list[int]:
+    return [3 + b for b in text.encode("utf-8")]
+
+  def __call__(self, text: str, add_special_tokens: bool = True):
+    return {"input_ids": self._bytes(text)}
+
+  def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    ids = []
+    for m in messages:
+      ids += [1] + self._bytes(f"{m['role']}\n{m['content']}") + [2]
+    if add_generation_prompt:
+      ids += [1] + self._bytes("assistant\n")
+    return ids
+
+  def decode(self, ids) -> str:
+    return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+
+def load_teacher_tokenizer(spec: str):
+  from redrafter_jax.tokenizer import load_tokenizer
+  from redrafter_jax.weights.llama_weights import resolve_source
+
+  if is_random(spec):
+    cfg, _, name = _random_spec(spec)
+    if name == "bytes":
+      if cfg.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError(f"model {spec!r}: the bytes tokenizer needs vocab_size >= "
+                          f"{ByteTokenizer.vocab_size}, got {cfg.vocab_size}")
+      return ByteTokenizer()
+    spec = name
+  return load_tokenizer(resolve_source(spec))
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  id: str
+  category: str
+  text: str
+
+
+def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[Prompt]:
+  """Prompts from a JSON-lines file; a malformed line raises ``DataError`` naming the line."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise DataError(f"prompts file not found: {path}")
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+      if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+        raise DataError(f"{path}:{lineno}: expected an object with a non-empty string 'prompt'")
+      out.append(Prompt(id=str(obj.get("id", f"line-{lineno}")),
+                        category=str(obj.get("category", "")), text=obj["prompt"]))
+      if limit is not None and len(out) >= limit:
+        break
+  if not out:
+    raise DataError(f"{path}: no prompts")
+  return out
+
+
+# ----------------------------------------------------------------------------- jobs and shards
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  prompt: int  # index into the prompt list
+  sampled: bool  # T=1 sampling (else greedy)
+
+
+def plan_jobs(lengths: Sequence[int], sampled_fraction: float, seed: int) -> list[Job]:
+  """Every prompt greedy, a seeded ``sampled_fraction`` also sampled; sorted by prompt length."""
+  if not 0.0 <= sampled_fraction <= 1.0:
+    raise ConfigError(f"sampled_fraction must be in [0, 1], got {sampled_fraction}")
+  draw = np.random.default_rng(seed).random(len(lengths))
+  jobs = [Job(i, False) for i in range(len(lengths))]
+  jobs += [Job(i, True) for i in range(len(lengths)) if draw[i] < sampled_fraction]
+  return sorted(jobs, key=lambda j: (lengths[j.prompt], j.prompt, j.sampled))
+
+
+def shard_name(index: int) -> str:
+  return f"shard-{index:05d}{data_lib.SHARD_SUFFIX}"
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+  tmp = path.with_name(f".{path.name}.tmp")
+  tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+  os.replace(tmp, path)
+
+
+def _file_digest(path: pathlib.Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _open_manifest(out: pathlib.Path, settings: dict[str, Any]) -> dict[str, Any]:
+  path = out / data_lib.MANIFEST
+  if not path.is_file():
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"settings": settings, "shards": {}}
+    _write_json(path, manifest)
+    return manifest
+  manifest = data_lib.read_manifest(out)
+  old = manifest.get("settings", {})
+  diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+  if diff:
+    detail = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
+    raise DataError(f"{out} was started with other settings ({detail}); resume with the same "
+                    "settings or choose a new --out folder")
+  return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillStats:
+  shards_written: int
+  shards_skipped: int
+  records: int
+  new_tokens: int  # response tokens generated in this call
+  seconds: float
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.new_tokens / max(self.seconds, 1e-9)
+
+
+def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: str | pathlib.Path,
+            *, model_name: str, limit: int | None = None, max_new_tokens: int = 256,
+            batch_size: int = 16, sampled_fraction: float = 0.25, shard_size: int = 256,
+            max_prompt_tokens: int = 384, seed: int = 0, max_shards: int | None = None,
+            progress: bool = True) -> DistillStats:
+  """Write (or resume) the teacher data folder ``out_dir``; see the module docstring.
+
+  ``max_shards`` stops after writing that many new shards (a time-boxed slice of a long job).
+  """
+  from redrafter_jax.generate import generate
+  from redrafter_jax.tokenizer import encode, stop_token_ids
+
+  if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
+    raise ConfigError("batch_size, shard_size and max_new_tokens must be >= 1")
+  prompts_path = pathlib.Path(prompts_path)
+  prompts = read_prompts(prompts_path)
+  if limit is not None and limit < len(prompts):
+    # A seeded random subset: prompt files are grouped by source, so the first N would not be.
+    pick = np.sort(np.random.default_rng(seed).choice(len(prompts), size=limit, replace=False))
+    prompts = [prompts[i] for i in pick]
+  tokens = [encode(tokenizer, p.text, chat=True) for p in prompts]
+  top = max(max(t) for t in tokens)
+  if top >= llm.config.vocab_size:
+    raise ConfigError(f"the tokenizer produces token id {top}, but the model's vocab_size is "
+                      f"{llm.config.vocab_size}: tokenizer and model do not belong together")
+  too_long = [i for i, t in enumerate(tokens) if len(t) > max_prompt_tokens]
+  if too_long:
+    log.info("skipping %d of %d prompts longer than %d tokens", len(too_long), len(prompts),
+             max_prompt_tokens)
+  keep = [i for i, t in enumerate(tokens) if len(t) <= max_prompt_tokens]
+  if not keep:
+    raise DataError(f"every prompt is longer than max_prompt_tokens={max_prompt_tokens}")
+  lengths = [len(tokens[i]) for i in keep]
+  jobs = [Job(keep[j.prompt], j.sampled) for j in plan_jobs(lengths, sampled_fraction, seed)]
+  shards = [jobs[i:i + shard_size] for i in range(0, len(jobs), shard_size)]
+
+  out = pathlib.Path(out_dir)
+  settings = dict(model=model_name, vocab_size=llm.config.vocab_size,
+                  prompts=prompts_path.name, prompts_sha256=_file_digest(prompts_path),
+                  limit=limit, max_new_tokens=max_new_tokens, sampled_fraction=sampled_fraction,
+                  shard_size=shard_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
+                  num_shards=len(shards))
+  manifest = _open_manifest(out, settings)
+  todo = [k for k in range(len(shards)) if shard_name(k) not in manifest["shards"]]
+  skipped = len(shards) - len(todo)
+  if skipped:
+    log.info("%s: %d of %d shards already complete, skipping them", out, skipped, len(shards))
+  if max_shards is not None:
+    todo = todo[:max_shards]
+  stops = stop_token_ids(tokenizer)
+  start, new_tokens, records = time.perf_counter(), 0, 0
+  bar = tqdm(total=sum(len(shards[k]) for k in todo), desc="distill", unit="seq",
+             disable=not progress)
+  for k in todo:
+    shard_jobs, encoded, shard_tokens = shards[k], [], 0
+    for b in range(0, len(shard_jobs), batch_size):
+      batch = shard_jobs[b:b + batch_size]
+      padded = batch + [batch[-1]] * (batch_size - len(batch))  # static batch shape
+      result = generate(llm, [tokens[j.prompt] for j in padded], max_new_tokens=max_new_tokens,
+                        temperature=[1.0 if j.sampled else 0.0 for j in padded],
+                        seed=seed * 1_000_003 + k * 1009 + b, stop_ids=stops)
+      for job, response in zip(batch, result.tokens):
+        prompt = tokens[job.prompt]
+        encoded.append(data_lib.encode_record(
+            prompt + response, [0] * len(prompt) + [1] * len(response),
+            id=prompts[job.prompt].id, sampled=job.sampled))
+        shard_tokens += len(response)
+      new_tokens += sum(len(r) for r in result.tokens[:len(batch)])
+      bar.update(len(batch))
+      bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+    name = shard_name(k)
+    tmp = out / f".{name}.tmp"
+    data_lib.write_shard(tmp, encoded)
+    os.replace(tmp, out / name)
+    manifest["shards"][name] = {"records": len(encoded), "response_tokens": shard_tokens}
+    _write_json(out / data_lib.MANIFEST, manifest)
+    records += len(encoded)
+  bar.close()
+  return DistillStats(shards_written=len(todo), shards_skipped=skipped, records=records,
+                      new_tokens=new_tokens, seconds=time.perf_counter() - start)

@@ -1,0 +1,135 @@
+"""The drafter's distillation loss (DESIGN §7) and its per-step accuracies.
+
+At position t, drafter step i (1..n) reads the LLM hidden state ``h_t`` and the embeddings of
+tokens t+1..t+i (teacher forcing: the tokens are the LLM's own continuation), and predicts token
+t+i+1. A target counts when it is a response token (``loss_mask``), lies inside the row, and
+belongs to the same packed sequence as t (so padding and prompt tokens never count, and nothing
+reaches across a packing boundary). The loss is the sum over steps of the mean cross-entropy over
+that step's counted targets; the means are over the whole global batch, so the loss is the same
+however the batch is split over devices or processes.
+
+Memory: logits ``[B, T, n, V]`` at V=49152 would be GBs. The positions are cut into chunks of
+``chunk`` and a ``lax.scan`` over chunks computes each chunk's logits inside ``jax.checkpoint``,
+so only one chunk's ``[B, chunk, n, V]`` logits (and their gradient) are alive at a time; the
+backward pass recomputes them chunk by chunk. Accuracies use the target's rank (how many logits
+beat it), which avoids a sort over V.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from redrafter_jax.models.drafter import Drafter
+
+
+def future_window(x_BT: jax.Array, offset: int, n: int, fill=0) -> jax.Array:
+  """``out[b, t, i] = x[b, t + offset + i]`` for i < n, ``fill`` past the end of the row."""
+  T = x_BT.shape[1]
+  pad = [(0, 0), (0, offset + n)] + [(0, 0)] * (x_BT.ndim - 2)
+  padded = jnp.pad(x_BT, pad, constant_values=fill)
+  return jnp.stack([padded[:, offset + i:offset + i + T] for i in range(n)], axis=2)
+
+
+def targets_and_weights(tokens_BT, loss_mask_BT, segment_ids_BT, n: int):
+  """Step i+1's target ``tokens[t+i+2]`` and whether it counts, both ``[B, T, n]``."""
+  T = tokens_BT.shape[1]
+  targets_BTn = future_window(tokens_BT, 2, n)
+  in_row_BTn = (jnp.arange(T)[:, None] + 2 + jnp.arange(n)[None, :]) < T
+  same_seq_BTn = future_window(segment_ids_BT, 2, n, fill=-1) == segment_ids_BT[:, :, None]
+  counts_BTn = (in_row_BTn[None] & same_seq_BTn & (segment_ids_BT[:, :, None] > 0)
+                & (future_window(loss_mask_BT, 2, n) > 0))
+  return targets_BTn, counts_BTn
+
+
+def frozen_hidden(llm, tokens_BT, positions_BT, segment_ids_BT) -> jax.Array:
+  """The LLM's hidden states (after the final norm), causal within each packed sequence, with
+  no gradient path into the LLM."""
+  T = tokens_BT.shape[1]
+  causal_TT = jnp.tril(jnp.ones((T, T), bool))
+  seg_BT = segment_ids_BT
+  mask_BTT = causal_TT[None] & (seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, None, :] > 0)
+  hidden_BTD, _ = llm.forward_hidden(tokens_BT, positions_BT, mask_BTT)
+  return jax.lax.stop_gradient(hidden_BTD)
+
+
+def _chunk_sums(drafter, h_BPD, prev_emb_BPnD, targets_BPn, weights_BPn):
+  """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits (each ``[n]``).
+
+  ``targets`` index the drafter's output rows; ``weights`` are 0 for targets that do not count
+  (or that its vocabulary cannot produce)."""
+  logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD)
+  logz_BPn = jax.nn.logsumexp(logits_BPnV, axis=-1)
+  target_logit_BPn = jnp.take_along_axis(logits_BPnV, targets_BPn[..., None], axis=-1)[..., 0]
+  rank_BPn = jnp.sum(logits_BPnV > target_logit_BPn[..., None], axis=-1)
+  ce_n = jnp.sum((logz_BPn - target_logit_BPn) * weights_BPn, axis=(0, 1))
+  top1_n = jnp.sum((rank_BPn < 1) * weights_BPn, axis=(0, 1))
+  top5_n = jnp.sum((rank_BPn < 5) * weights_BPn, axis=(0, 1))
+  return ce_n, top1_n, top5_n
+
+
+def restricted_targets(targets_BTn, vocab_ids_K, vocab_size: int):
+  """Output-row index of each target under a restricted vocabulary, and whether it is in it."""
+  K = vocab_ids_K.shape[0]
+  row_of_V = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_K].set(jnp.arange(K))
+  rows_BTn = row_of_V[targets_BTn]
+  return jnp.maximum(rows_BTn, 0), rows_BTn >= 0
+
+
+def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BTD: jax.Array,
+                 embedding_VD: jax.Array, tokens_BT: jax.Array, loss_mask_BT: jax.Array,
+                 segment_ids_BT: jax.Array, *, num_steps: int, chunk: int = 64,
+                 vocab_ids_K: jax.Array | None = None):
+  """``(loss, metrics)`` for a batch; differentiable in ``drafter_params`` only.
+
+  ``drafter_of(params)`` builds the drafter from its parameters (e.g. ``nnx.merge`` with the
+  graph definition and any non-trained state). ``hidden_BTD`` are the frozen LLM's hidden
+  states (after the final norm) for ``tokens_BT``; ``embedding_VD`` is its input embedding
+  table. ``metrics`` holds per-step arrays ``[n]``: ``loss_n`` (mean cross-entropy), ``top1_n``,
+  ``top5_n`` (accuracies), ``count_n`` (targets), ``coverage_n`` (share of targets the drafter's
+  vocabulary holds).
+
+  ``vocab_ids_K``: the drafter scores only these tokens (``restrict_vocab``; output row k is
+  token ``vocab_ids_K[k]``). Cross-entropy is then over the K tokens and averages over the
+  targets among them; accuracies still count every target (one outside the K is a miss).
+  """
+  n = num_steps
+  B, T, D = hidden_BTD.shape
+  # Both come from the frozen LLM: no gradient may flow back into it.
+  hidden_BTD = jax.lax.stop_gradient(hidden_BTD)
+  embedding_VD = jax.lax.stop_gradient(embedding_VD)
+  targets_BTn, counts_BTn = targets_and_weights(tokens_BT, loss_mask_BT, segment_ids_BT, n)
+  # Step i+1 (0-based i) consumes the embedding of token t+1+i.
+  prev_emb_BTnD = jnp.take(embedding_VD, future_window(tokens_BT, 1, n), axis=0)
+  weights_BTn = counts_BTn.astype(jnp.float32)
+  count_n = jnp.sum(weights_BTn, axis=(0, 1))
+  if vocab_ids_K is not None:
+    targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_K,
+                                                   embedding_VD.shape[0])
+    weights_BTn = weights_BTn * in_vocab_BTn
+  P = min(chunk, T)
+  num_chunks = -(-T // P)
+  pad_T = num_chunks * P - T
+
+  def chunked(x):  # [B, T, ...] -> [chunks, B, P, ...], padding positions carry zero weight
+    x = jnp.pad(x, [(0, 0), (0, pad_T)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(B, num_chunks, P, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def chunk_sums(params, xs):
+    return _chunk_sums(drafter_of(params), *xs)
+
+  def body(carry, xs):
+    return jax.tree.map(jnp.add, carry, chunk_sums(drafter_params, xs)), None
+
+  zeros_n = jnp.zeros((n,), jnp.float32)
+  xs = tuple(chunked(x) for x in (hidden_BTD, prev_emb_BTnD, targets_BTn, weights_BTn))
+  (ce_n, top1_n, top5_n), _ = jax.lax.scan(body, (zeros_n, zeros_n, zeros_n), xs)
+  scored_n = jnp.sum(weights_BTn, axis=(0, 1))
+  denom_n = jnp.maximum(count_n, 1.0)
+  loss_n = ce_n / jnp.maximum(scored_n, 1.0)
+  metrics = dict(loss_n=loss_n, top1_n=top1_n / denom_n, top5_n=top5_n / denom_n,
+                 count_n=count_n, coverage_n=scored_n / denom_n)
+  return jnp.sum(loss_n), metrics

@@ -1,0 +1,42 @@
+"""The project's own trained drafter(s), shipped in the repository's ``checkpoints/`` folder.
+
+``resolve_drafter("shipped")`` is the SmolLM2-135M drafter; any other value is taken as a path.
+A shipped drafter folder may carry ``decode.json`` with the decoding settings it was measured
+with (e.g. its recommended draft vocabulary size); they are defaults, never requirements.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+SHIPPED_NAME = "shipped"
+CHECKPOINTS = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
+SMOLLM2_DRAFTER = CHECKPOINTS / "smollm2-135m-drafter"
+
+
+def resolve_drafter(spec: str | None) -> pathlib.Path:
+  """The drafter folder for ``spec`` ('shipped' or a path); a clear error if it is missing."""
+  if spec is None or spec == SHIPPED_NAME:
+    path = SMOLLM2_DRAFTER
+    if not (path / "config.json").is_file():
+      raise FileNotFoundError(
+          f"the shipped SmolLM2-135M drafter is not at {path} (a source checkout of "
+          "redrafter_jax carries it in checkpoints/); pass --drafter PATH")
+    return path
+  path = pathlib.Path(spec).expanduser()
+  if not path.exists():
+    raise FileNotFoundError(f"drafter not found: {path}")
+  return path
+
+
+def decode_defaults(path) -> dict:
+  file = pathlib.Path(path) / "decode.json"
+  if not file.is_file():
+    return {}
+  return json.loads(file.read_text())
+
+
+def recommended_draft_vocab(path) -> int:
+  """The draft vocabulary size the drafter was trained/measured with (0 = whole vocabulary)."""
+  return int(decode_defaults(path).get("draft_vocab_size", 0))

@@ -1,0 +1,379 @@
+"""Distillation training of the drafter against the frozen LLM (DESIGN §7).
+
+``train(preset)`` runs the whole job: load the LLM and place it on the mesh (``sharding.py``),
+build the drafter (fresh, or from ``train.init_drafter``), read batches with the grain pipeline
+(``data.py``), and run a jitted step — LLM hidden states on the fly (no gradient), the chunked
+distillation loss (``losses.py``), AdamW with linear warmup + cosine decay and global-norm
+clipping — with explicit shardings and a donated train state. Every ``checkpoint_every``
+steps, at a requested stop and at the end it saves a checkpoint (``checkpoint.py``); a rerun
+with the same output folder resumes from the newest one and sees exactly the batches it would
+have seen. At the end the drafter is exported in the reference format to ``<output_dir>/drafter``, with its token ranking
+(response-token frequency in the data; ``train.vocab_limit`` trains on the top K of it).
+
+Outputs in ``train.output_dir``: ``checkpoints/``, ``metrics.csv``, TensorBoard events in
+``tb/``, ``curves.png``, ``drafter/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import logging
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from tqdm.auto import tqdm
+
+from redrafter_jax import data as data_lib
+from redrafter_jax import losses
+from redrafter_jax import sharding as sh
+from redrafter_jax.checkpoint import Checkpointer, abstract_like
+from redrafter_jax.config import ConfigError, DrafterConfig, Preset
+from redrafter_jax.distill import load_teacher
+from redrafter_jax.models.drafter import Drafter, TokenRanking, restrict_vocab
+
+log = logging.getLogger(__name__)
+
+# Settings that may change between a run and its resumption (they do not change the math).
+RESUMABLE_CHANGES = ("train.output_dir", "train.data", "train.log_every", "train.checkpoint_every",
+                     "train.keep_checkpoints", "train.mesh_data", "train.mesh_model",
+                     "train.loss_chunk", "decode", "drafter_path")
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any  # the drafter's parameters as a pure nested dict
+  opt_state: Any
+
+  def as_dict(self) -> dict[str, Any]:
+    return {"step": self.step, "params": self.params, "opt_state": self.opt_state}
+
+
+@dataclasses.dataclass
+class TrainResult:
+  history: list[dict[str, Any]]  # one row per step run in this call: loss, accuracies, ...
+  last_step: int
+  start_step: int
+  params: Any  # host copy of the drafter parameters after the last step
+  drafter_dir: pathlib.Path | None
+
+
+def make_schedule(cfg) -> optax.Schedule:
+  warmup = int(round(cfg.warmup_fraction * cfg.num_steps))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
+      decay_steps=cfg.num_steps, end_value=0.0)
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+  adamw = optax.adamw(make_schedule(cfg), weight_decay=cfg.weight_decay)
+  if cfg.grad_clip and cfg.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+  return adamw
+
+
+def _train_step(llm_graphdef, drafter_of, vocab_ids_K, tx, schedule, num_steps, chunk,
+                llm_state, state: TrainState, batch):
+  llm = nnx.merge(llm_graphdef, llm_state)
+  tokens_BT, segments_BT = batch["tokens"], batch["segment_ids"]
+  hidden_BTD = losses.frozen_hidden(llm, tokens_BT, batch["positions"], segments_BT)
+  embedding_VD = llm.embed_tokens.embedding[...]
+
+  def loss_fn(params):
+    return losses.distill_loss(drafter_of, params, hidden_BTD, embedding_VD, tokens_BT,
+                               batch["loss_mask"], segments_BT, num_steps=num_steps, chunk=chunk,
+                               vocab_ids_K=vocab_ids_K)
+
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step),
+                 tokens=jnp.sum(segments_BT > 0))
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def preset_dict(preset: Preset) -> dict[str, Any]:
+  return dataclasses.asdict(preset)
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, dict) and k not in ("drafter",):
+      out.update(_flat(v, key + "."))
+    else:
+      out[key] = list(v) if isinstance(v, tuple) else v
+  return out
+
+
+def check_resumable(saved: dict[str, Any], current: dict[str, Any], where) -> None:
+  """Refuse to resume a checkpoint written under settings that change the run."""
+  a, b = _flat(saved), _flat(current)
+  ignored = lambda k: any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)
+  diff = sorted(k for k in set(a) | set(b) if not ignored(k) and a.get(k) != b.get(k))
+  if diff:
+    detail = "; ".join(f"{k}: checkpoint {a.get(k)!r}, config {b.get(k)!r}" for k in diff)
+    raise ConfigError(f"the checkpoint in {where} was written with other settings ({detail}); "
+                      "its drafter/optimizer state does not fit this run — restore those "
+                      "settings or use a new train.output_dir")
+
+
+def build_drafter(preset: Preset, llm_cfg) -> Drafter:
+  cfg = preset.train
+  if cfg.init_drafter:
+    from redrafter_jax.weights.drafter_io import load_drafter
+
+    drafter = load_drafter(cfg.init_drafter)
+    got = drafter.config
+    if (got.hidden_size, got.vocab_size) != (llm_cfg.hidden_size, llm_cfg.vocab_size):
+      raise ConfigError(
+          f"train.init_drafter {cfg.init_drafter}: drafter has hidden_size={got.hidden_size}, "
+          f"vocab_size={got.vocab_size} but the LLM {preset.model!r} has hidden_size="
+          f"{llm_cfg.hidden_size}, vocab_size={llm_cfg.vocab_size}")
+    return drafter
+  dcfg: DrafterConfig = preset.drafter_config(llm_cfg)
+  return Drafter(dcfg, rngs=nnx.Rngs(cfg.seed))
+
+
+def _frozen_llm(preset: Preset, mesh, manifest):
+  """The LLM's graph, its state placed on ``mesh`` (tensor-parallel rules), and its config."""
+  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype)
+  data_vocab = manifest.get("settings", {}).get("vocab_size")
+  if data_vocab is not None and data_vocab != llm_cfg.vocab_size:
+    raise ConfigError(f"data in {preset.train.data} was made by a model with vocab_size "
+                      f"{data_vocab}, but {preset.model!r} has vocab_size {llm_cfg.vocab_size}")
+  graphdef, state = nnx.split(llm)
+  shardings = sh.state_shardings(state, mesh)
+  return graphdef, sh.place(state, shardings), shardings, llm_cfg
+
+
+def _trainable_drafter(preset: Preset, llm_cfg):
+  """``(merge, drafter_of, params, vocab_ids_K)``: params (pure dict) -> full drafter, -> the
+  drafter the loss trains (vocabulary-restricted with ``vocab_limit``), initial params."""
+  cfg = preset.train
+  drafter = build_drafter(preset, llm_cfg)
+  # The response-token ranking goes out with the drafter (``restrict_vocab`` reads it) and,
+  # with ``vocab_limit``, picks the tokens the head trains on.
+  counts = data_lib.token_counts(cfg.data, llm_cfg.vocab_size)
+  drafter.token_ranking = TokenRanking(jnp.asarray(np.argsort(-counts, kind="stable"), jnp.int32))
+  vocab_ids_K = None
+  if 0 < cfg.vocab_limit < llm_cfg.vocab_size:
+    vocab_ids_K = drafter.token_ranking[...][:cfg.vocab_limit]
+    log.info("the head trains on the %d most frequent tokens: %.2f%% of response tokens",
+             cfg.vocab_limit, 100 * counts[np.asarray(vocab_ids_K)].sum() / max(counts.sum(), 1))
+    # Rows of tokens that never train get logit 0 rather than a random one, so a drafter
+    # decoded without ``restrict_vocab`` does not propose them at random.
+    head = drafter.lm_head[-1]
+    keep_V = jnp.zeros((llm_cfg.vocab_size,), bool).at[vocab_ids_K].set(True)
+    head.kernel.set_value(jnp.where(keep_V[None, :], head.kernel[...], 0))
+  # Only nnx.Params train; the rest (the token ranking) is fixed.
+  graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+  merge = lambda p: nnx.merge(graphdef, p, rest)
+  drafter_of = merge if vocab_ids_K is None else (
+      lambda p: restrict_vocab(merge(p), cfg.vocab_limit))
+  return merge, drafter_of, nnx.to_pure_dict(params), vocab_ids_K
+
+
+class _Meter:
+  """Collects per-step device metrics and turns them into host rows at log points, timing
+  throughput from the end of the first (compiling) step."""
+
+  def __init__(self):
+    self.pending, self.clock, self.tokens = [], None, 0
+
+  def add(self, step: int, metrics) -> list[dict[str, Any]] | None:
+    self.pending.append((step, metrics))
+    if self.clock is None:
+      rows = self.flush()
+      self.clock, self.tokens = time.perf_counter(), 0
+      return rows
+    return None
+
+  def flush(self) -> list[dict[str, Any]]:
+    rows = [_host_metrics(s, m) for s, m in self.pending]
+    self.pending = []
+    if self.clock is not None:
+      self.tokens += sum(r["tokens"] for r in rows)
+      tok_s = self.tokens / max(time.perf_counter() - self.clock, 1e-9)
+      for r in rows:
+        r["tokens_per_s"] = tok_s
+    return rows
+
+
+def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool = True,
+          progress: bool = True, export: bool = True) -> TrainResult:
+  """Train (or resume) per ``preset``.
+
+  ``stop_after`` ends this call after that many steps (a time-boxed slice; rerun to continue),
+  with a checkpoint there unless ``save_at_stop`` is False (which simulates a crash in tests).
+  """
+  cfg = preset.train
+  out_dir = pathlib.Path(cfg.output_dir)
+  manifest = data_lib.read_manifest(cfg.data)  # fail on a bad data folder before loading models
+  mesh = sh.make_mesh(cfg.mesh_data, cfg.mesh_model)
+  rows = sh.process_rows(mesh, cfg.batch_size)
+  llm_graphdef, llm_state, llm_shardings, llm_cfg = _frozen_llm(preset, mesh, manifest)
+  merge, drafter_of, params, vocab_ids_K = _trainable_drafter(preset, llm_cfg)
+  tx, schedule = make_optimizer(cfg), make_schedule(cfg)
+  repl = sh.replicated(mesh)
+  state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+                  out_shardings=repl)(sh.place(params, jax.tree.map(lambda _: repl, params)))
+  state_shardings = jax.tree.map(lambda _: repl, state)
+  iterator = data_lib.make_iterator(
+      cfg.data, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, pack=cfg.pack,
+      rows=rows, vocab_size=llm_cfg.vocab_size)
+
+  ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
+  config = preset_dict(preset)
+  start = ckpt.latest_step() or 0
+  if start:
+    check_resumable(ckpt.read_config(start), config, ckpt.directory)
+    abstract = abstract_like(state.as_dict(), state_shardings.as_dict())
+    state = TrainState(**ckpt.restore(start, abstract, iterator))
+    log.info("resuming at step %d of %d", start, cfg.num_steps)
+
+  step_fn = jax.jit(
+      functools.partial(_train_step, llm_graphdef, drafter_of, vocab_ids_K, tx, schedule,
+                        cfg.num_draft_steps, cfg.loss_chunk),
+      in_shardings=(llm_shardings, state_shardings, sh.batch_sharding(mesh)),
+      out_shardings=(state_shardings, repl), donate_argnums=(1,))
+
+  is_main = jax.process_index() == 0
+  metrics_log = MetricsLog(out_dir, start_step=start, enabled=is_main)
+  end = cfg.num_steps if stop_after is None else min(cfg.num_steps, start + stop_after)
+  bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
+             disable=not (progress and is_main))
+  history, meter = [], _Meter()
+  for step in range(start + 1, end + 1):
+    batch = sh.shard_batch(next(iterator), mesh, cfg.batch_size)
+    state, metrics = step_fn(llm_state, state, batch)
+    rows_out = meter.add(step, metrics)
+    if rows_out is None and (step % cfg.log_every == 0 or step == end):
+      rows_out = meter.flush()
+    for r in rows_out or ():
+      metrics_log.write(r)
+      history.append(r)
+      if r["targets"] == 0:
+        log.warning("step %d had no training targets (no response tokens within seq_len=%d?)",
+                    r["step"], cfg.seq_len)
+    if rows_out:
+      last = rows_out[-1]
+      bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_1']:.3f}",
+                      tok_s=f"{last['tokens_per_s'] or 0:.0f}")
+    bar.update(1)
+    if step % cfg.checkpoint_every == 0 and step < cfg.num_steps:
+      ckpt.save(step, state.as_dict(), iterator, config)
+  bar.close()
+
+  host_params = jax.tree.map(sh.local_value, state.params)
+  drafter_dir = None
+  if end > start and ckpt.latest_step() != end and (end == cfg.num_steps or save_at_stop):
+    ckpt.save(end, state.as_dict(), iterator, config)
+  if end == cfg.num_steps and end > start:
+    if is_main:
+      metrics_log.plot()
+      if export:
+        from redrafter_jax.weights.drafter_io import save_drafter
+
+        drafter_dir = save_drafter(merge(jax.tree.map(jnp.asarray, host_params)),
+                                   out_dir / "drafter", format="reference", overwrite=True)
+  ckpt.close()
+  metrics_log.close()
+  return TrainResult(history=history, last_step=end, start_step=start, params=host_params,
+                     drafter_dir=drafter_dir)
+
+
+def _host_metrics(step: int, metrics) -> dict[str, Any]:
+  m = {k: sh.local_value(v) for k, v in metrics.items()}
+  row = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
+         "grad_norm": float(m["grad_norm"]), "tokens": int(m["tokens"]),
+         "targets": int(np.asarray(m["count_n"])[0]), "tokens_per_s": None}
+  for name in ("loss_n", "top1_n", "top5_n", "coverage_n"):
+    for i, v in enumerate(np.asarray(m[name]).tolist()):
+      row[f"{name[:-2]}_{i + 1}"] = float(v)
+  return row
+
+
+def flat_dict(tree) -> dict[str, np.ndarray]:
+  """``{"lm_head.0.linear.kernel": array}`` from a nested parameter dict (host copies)."""
+  return {sh.path_name(path): np.asarray(sh.local_value(v))
+          for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+class MetricsLog:
+  """Per-step metrics to ``metrics.csv`` and TensorBoard (``tb/``); ``plot()`` draws the curves.
+
+  On resumption the rows after the resumed step (written before a crash) are dropped, so the
+  files describe one consistent run.
+  """
+
+  def __init__(self, out_dir: pathlib.Path, *, start_step: int, enabled: bool = True):
+    self.enabled = enabled
+    self.path = out_dir / "metrics.csv"
+    self.rows: list[dict[str, Any]] = []
+    self._tb = None
+    if not enabled:
+      return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if self.path.is_file():
+      with open(self.path, newline="") as f:
+        self.rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
+    try:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1)
+    except ImportError:  # tensorboardX is optional (the "train" extra); the CSV always exists
+      log.info("tensorboardX not installed: metrics go to %s only", self.path)
+
+  def write(self, row: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    self.rows.append(row)
+    fields = list(row)
+    with open(self.path, "w", newline="") as f:
+      writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+      writer.writeheader()
+      writer.writerows(self.rows)
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != "step" and v is not None:
+          self._tb.add_scalar(f"train/{k}", float(v), int(row["step"]))
+
+  def plot(self) -> pathlib.Path | None:
+    """``curves.png``: loss and per-step top-1 accuracy against the step."""
+    if not self.enabled or not self.rows:
+      return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [int(r["step"]) for r in self.rows]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(steps, [float(r["loss"]) for r in self.rows], label="loss (sum over steps)")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy")
+    ax_loss.legend()
+    for k in sorted(k for k in self.rows[0] if k.startswith("top1_")):
+      ax_acc.plot(steps, [float(r[k]) for r in self.rows], label=f"top-1, draft step {k[5:]}")
+    ax_acc.set_xlabel("step")
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.legend()
+    fig.tight_layout()
+    out = self.path.with_name("curves.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()

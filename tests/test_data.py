@@ -1,0 +1,155 @@
+"""The record format and the grain pipeline: exact contents, order, resumption, splitting."""
+
+import json
+
+import numpy as np
+import pytest
+
+from redrafter_jax import data
+from redrafter_jax.data import DataError
+
+
+def _records(num=24, seed=0, max_len=40):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(num):
+    n_prompt, n_resp = int(rng.integers(2, 8)), int(rng.integers(1, max_len - 8))
+    tokens = rng.integers(1, 1000, n_prompt + n_resp).astype(np.int32)
+    out.append((f"r{i}", tokens, np.array([0] * n_prompt + [1] * n_resp, np.uint8)))
+  return out
+
+
+def _folder(tmp_path, records, shards=3):
+  folder = tmp_path / "data"
+  folder.mkdir()
+  names = {}
+  for k in range(shards):
+    name = f"shard-{k:05d}.array_record"
+    data.write_shard(folder / name, [data.encode_record(t, m, id=i, sampled=k % 2 == 1)
+                                     for i, t, m in records[k::shards]])
+    names[name] = {}
+  (folder / data.MANIFEST).write_text(json.dumps({"settings": {}, "shards": names}))
+  return folder
+
+
+def _sequences(batch):
+  """The (tokens, loss_mask) of every packed sequence in a batch, using segment ids."""
+  out = []
+  for row in range(batch["tokens"].shape[0]):
+    seg = batch["segment_ids"][row]
+    for s in sorted(set(seg.tolist()) - {0}):
+      where = seg == s
+      assert batch["positions"][row][where].tolist() == list(range(int(where.sum())))
+      out.append((tuple(batch["tokens"][row][where]), tuple(batch["loss_mask"][row][where])))
+  return out
+
+
+def test_record_roundtrip(tmp_path):
+  records = _records(9)
+  folder = _folder(tmp_path, records)
+  back = {r["id"]: r for r in data.read_records(folder)}
+  assert sorted(back) == sorted(i for i, _, _ in records)
+  for i, tokens, mask in records:
+    np.testing.assert_array_equal(back[i]["tokens"], tokens)
+    np.testing.assert_array_equal(back[i]["mask"], mask)
+    assert back[i]["tokens"].dtype == np.int32
+
+
+def test_padded_epoch_holds_every_record_once(tmp_path):
+  records = _records(24)
+  folder = _folder(tmp_path, records)
+  it = data.make_iterator(folder, seq_len=48, global_batch=4, seed=3, pack=False)
+  seen = sum((_sequences(next(it)) for _ in range(6)), [])
+  assert sorted(seen) == sorted((tuple(t), tuple(m.astype(np.int32))) for _, t, m in records)
+
+
+def test_packed_rows_hold_whole_records(tmp_path):
+  """Packing only concatenates records (never splits or alters one), and covers them all."""
+  records = _records(24)
+  folder = _folder(tmp_path, records)
+  it = data.make_iterator(folder, seq_len=48, global_batch=4, seed=3, pack=True)
+  seen = []
+  while len(seen) < 2 * len(records):
+    batch = next(it)
+    assert (batch["segment_ids"] > 0).sum(axis=1).max() <= 48
+    seen += _sequences(batch)
+  expected = {(tuple(t), tuple(m.astype(np.int32))) for _, t, m in records}
+  assert set(seen) == expected
+  assert max(batch["segment_ids"].max() for batch in [next(it)]) >= 2  # several per row
+
+
+def test_order_is_seeded_and_reshuffled_each_epoch(tmp_path):
+  folder = _folder(tmp_path, _records(16))
+
+  def ids(seed, n):
+    it = data.make_iterator(folder, seq_len=48, global_batch=4, seed=seed, pack=False)
+    return [tuple(next(it)["tokens"][:, 0]) for _ in range(n)]
+
+  assert ids(0, 8) == ids(0, 8)
+  assert ids(0, 8) != ids(1, 8)
+  epoch1, epoch2 = ids(0, 8)[:4], ids(0, 8)[4:]
+  assert sorted(sum(map(list, epoch1), [])) == sorted(sum(map(list, epoch2), []))
+  assert epoch1 != epoch2
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_iterator_state_resumes_exactly(tmp_path, pack):
+  folder = _folder(tmp_path, _records(30))
+  kw = dict(seq_len=32, global_batch=4, seed=5, pack=pack)
+  it = data.make_iterator(folder, **kw)
+  for _ in range(5):
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(6)]
+  resumed = data.make_iterator(folder, **kw)
+  resumed.set_state(json.loads(json.dumps(state)))  # as stored in a checkpoint
+  for want in expected:
+    got = next(resumed)
+    for name in data.FIELDS:
+      np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_process_rows_partition_the_global_batch(tmp_path):
+  folder = _folder(tmp_path, _records(20))
+  kw = dict(seq_len=32, global_batch=6, seed=0, pack=True)
+  whole = data.make_iterator(folder, **kw)
+  parts = [data.make_iterator(folder, rows=r, **kw) for r in ((0, 2), (2, 4), (4, 6))]
+  for _ in range(4):
+    want = next(whole)
+    got = [next(p) for p in parts]
+    for name in data.FIELDS:
+      np.testing.assert_array_equal(np.concatenate([g[name] for g in got]), want[name])
+
+
+def test_long_records_keep_the_response():
+  mask = np.array([0] * 30 + [1] * 10, np.uint8)
+  assert data._window(mask, 64) == slice(0, 40)  # fits: whole record
+  assert data._window(mask, 16) == slice(22, 38)  # half a row of response after the prompt end
+  assert data._window(mask, 36) == slice(4, 40)  # all 10 response tokens after 26 of prompt
+  assert data._window(np.array([0] * 4 + [1] * 50, np.uint8), 16) == slice(0, 16)
+
+
+def test_errors_name_the_problem(tmp_path):
+  with pytest.raises(DataError, match="data folder not found"):
+    data.make_iterator(tmp_path / "nope", seq_len=8, global_batch=1, seed=0)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(DataError, match="no manifest.json"):
+    data.make_iterator(tmp_path / "empty", seq_len=8, global_batch=1, seed=0)
+  folder = _folder(tmp_path, _records(6))
+  (folder / "shard-00001.array_record").unlink()
+  with pytest.raises(DataError, match="missing.*shard-00001"):
+    data.make_iterator(folder, seq_len=8, global_batch=1, seed=0)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
+  folder = _folder(tmp_path, _records(6))
+  it = data.make_iterator(folder, seq_len=32, global_batch=2, seed=0, vocab_size=100)
+  with pytest.raises(DataError, match="vocab_size 100"):
+    next(it)
+
+
+def test_token_counts(tmp_path):
+  recs = [("a", np.array([5, 7, 7, 9]), np.array([0, 1, 1, 1], np.uint8)),
+          ("b", np.array([7, 9, 9, 9]), np.array([1, 0, 1, 1], np.uint8))]
+  counts = data.token_counts(_folder(tmp_path, recs, shards=2), 12)
+  assert counts.tolist() == [0, 0, 0, 0, 0, 0, 0, 3, 0, 3, 0, 0]

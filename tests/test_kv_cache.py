@@ -1,0 +1,219 @@
+"""KV-cache consistency: cached prefill + AR steps, packed tree forwards and path commits all
+reproduce plain no-cache forwards of the same token sequences."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import tiny_models
+from redrafter_jax import kv_cache as kvc
+
+S = 64  # cache slots
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(graphdef, state, cache, tokens_BT, positions_BT, mask_BTT):
+  model = nnx.merge(graphdef, state)
+  mask_BTS = kvc.visible_mask(cache.lengths_B, mask_BTT, cache.size)
+  logits_BTV, _, cache = model(tokens_BT, positions_BT, mask_BTS, cache)
+  return logits_BTV, cache
+
+
+def step(model, cache, tokens_BT, positions_BT, mask_BTT):
+  """One cached forward: new tokens see the committed slots plus what ``mask_BTT`` allows."""
+  graphdef, state = nnx.split(model)
+  logits_BTV, cache = _step(graphdef, state, cache, jnp.asarray(tokens_BT, jnp.int32),
+                            jnp.asarray(positions_BT, jnp.int32), jnp.asarray(mask_BTT))
+  return np.asarray(logits_BTV), cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full(graphdef, state, tokens_BT):
+  model = nnx.merge(graphdef, state)
+  B, T = tokens_BT.shape
+  logits_BTV, _, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)),
+                           kvc.causal_mask(jnp.ones((B, T), bool)), None)
+  return logits_BTV
+
+
+def full_forward(model, tokens):
+  """Logits of one token list through a plain causal forward (no cache).
+
+  Padded to one length (causal attention: the padding after the tokens is never seen), so the
+  forward compiles once.
+  """
+  padded = np.zeros((1, 32), np.int32)
+  padded[0, :len(tokens)] = tokens
+  return np.asarray(_full(*nnx.split(model), jnp.asarray(padded)))[0, :len(tokens)]
+
+
+def prefill(model, prompts):
+  """Right-padded prompts into a fresh cache; returns (last-token logits per row, cache)."""
+  B, T = len(prompts), max(len(p) for p in prompts)
+  tokens = np.zeros((B, T), np.int32)
+  for b, p in enumerate(prompts):
+    tokens[b, :len(p)] = p
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  valid = np.arange(T)[None] < lengths[:, None]
+  cache = model.init_cache(B, S)
+  logits, cache = step(model, cache, tokens, np.broadcast_to(np.arange(T), (B, T)),
+                       kvc.causal_mask(jnp.asarray(valid)))
+  cache = kvc.advance(cache, jnp.asarray(lengths))
+  return logits[np.arange(B), lengths - 1], cache
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+  model, _, _ = tiny_models.load_tiny(tmp_path_factory.mktemp("tiny"), "llama", seed=1)
+  return model
+
+
+def tokens(seed, n):
+  return np.random.default_rng(seed).integers(0, tiny_models.VOCAB, n).tolist()
+
+
+def test_prefill_then_ar_steps_equal_full_forward(model):
+  seqs = [tokens(0, 19), tokens(1, 13)]
+  prompt_lens = [12, 6]
+  k = 7
+  logits, cache = prefill(model, [s[:n] for s, n in zip(seqs, prompt_lens)])
+  for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
+    np.testing.assert_allclose(logits[b], full_forward(model, s[:n])[-1], atol=1e-5)
+  for i in range(k):
+    pos = np.array(prompt_lens) + i
+    np.testing.assert_array_equal(np.asarray(cache.lengths_B), pos)
+    new = np.array([[s[p]] for s, p in zip(seqs, pos)], np.int32)
+    logits, cache = step(model, cache, new, pos[:, None], jnp.ones((2, 1, 1), bool))
+    cache = kvc.advance(cache, jnp.ones((2,), jnp.int32))
+    for b, s in enumerate(seqs):
+      ref = full_forward(model, s[:pos[b] + 1])[-1]
+      np.testing.assert_allclose(logits[b, 0], ref, atol=1e-5, err_msg=f"row {b} step {i}")
+
+
+def pack_tree(branches):
+  """Unique nodes of several token branches sharing the cached prefix.
+
+  Returns (node tokens, depth of each node, ancestor-or-self mask ``[N, N]``, and per branch the
+  node indices along it). Shared leading tokens become one node.
+  """
+  node_of, toks, depth, parent = {}, [], [], []
+  paths = []
+  for br in branches:
+    path = []
+    for d in range(len(br)):
+      key = tuple(br[:d + 1])
+      if key not in node_of:
+        node_of[key] = len(toks)
+        toks.append(br[d])
+        depth.append(d)
+        parent.append(path[-1] if path else -1)
+      path.append(node_of[key])
+    paths.append(path)
+  n = len(toks)
+  mask = np.zeros((n, n), bool)
+  for i in range(n):
+    j = i
+    while j >= 0:
+      mask[i, j] = True
+      j = parent[j]
+  return np.array(toks, np.int32), np.array(depth, np.int32), mask, paths
+
+
+def test_tree_forward_equals_each_branch_alone(model):
+  prompts = [tokens(2, 9), tokens(3, 15)]
+  # Row 0: three branches with a shared first token; row 1: two disjoint branches.
+  trees = [[[5, 6, 7, 8], [5, 9, 10], [5, 6, 11]], [[20, 21, 22], [30, 31]]]
+  packed = [pack_tree(t) for t in trees]
+  N = max(len(p[0]) for p in packed) + 1  # + one padding node to prove padding is harmless
+  toks_BN = np.zeros((2, N), np.int32)
+  pos_BN = np.zeros((2, N), np.int32)
+  mask_BNN = np.broadcast_to(np.eye(N, dtype=bool), (2, N, N)).copy()
+  for b, (t, d, m, _) in enumerate(packed):
+    n = len(t)
+    toks_BN[b, :n], pos_BN[b, :n] = t, len(prompts[b]) + d
+    mask_BNN[b, :n, :n] = m
+  _, cache = prefill(model, prompts)
+  logits_BNV, tree_cache = step(model, cache, toks_BN, pos_BN, mask_BNN)
+  np.testing.assert_array_equal(np.asarray(tree_cache.lengths_B), [9, 15])  # not committed
+  for b, tree in enumerate(trees):
+    for branch, path in zip(tree, packed[b][3]):
+      ref_TV = full_forward(model, prompts[b] + branch)[len(prompts[b]):]
+      np.testing.assert_allclose(logits_BNV[b, path], ref_TV, atol=1e-5,
+                                 err_msg=f"row {b} branch {branch}")
+
+
+@pytest.mark.parametrize("num", [[3, 2], [1, 0]])
+def test_commit_of_a_path_equals_running_it_as_a_chain(model, num):
+  prompts = [tokens(4, 10), tokens(5, 7)]
+  trees = [[[40, 41, 42], [40, 43, 44], [45]], [[50, 51], [52, 53, 54]]]
+  accepted = [1, 1]  # the branch each row accepts (not the first one: its nodes are not in order)
+  packed = [pack_tree(t) for t in trees]
+  N = max(len(p[0]) for p in packed)
+  toks_BN = np.zeros((2, N), np.int32)
+  pos_BN = np.zeros((2, N), np.int32)
+  mask_BNN = np.broadcast_to(np.eye(N, dtype=bool), (2, N, N)).copy()
+  path_BA = np.zeros((2, 3), np.int32)
+  for b, (t, d, m, paths) in enumerate(packed):
+    toks_BN[b, :len(t)], pos_BN[b, :len(t)] = t, len(prompts[b]) + d
+    mask_BNN[b, :len(t), :len(t)] = m
+    path = paths[accepted[b]]
+    path_BA[b, :len(path)] = path
+  assert path_BA[0].tolist() == [0, 3, 4] and path_BA[1].tolist() == [2, 3, 4]
+  _, cache = prefill(model, prompts)
+  _, cache = step(model, cache, toks_BN, pos_BN, mask_BNN)
+  cache = kvc.commit(cache, jnp.asarray(path_BA), jnp.asarray(num, jnp.int32))
+  kept = [trees[b][accepted[b]][:num[b]] for b in range(2)]
+  np.testing.assert_array_equal(np.asarray(cache.lengths_B),
+                                [len(p) + len(k) for p, k in zip(prompts, kept)])
+  # A following token after the committed path sees exactly prompt + path.
+  follow = np.array([[60], [61]], np.int32)
+  logits, _ = step(model, cache, follow, np.asarray(cache.lengths_B)[:, None],
+                   jnp.ones((2, 1, 1), bool))
+  for b in range(2):
+    ref = full_forward(model, prompts[b] + kept[b] + [int(follow[b, 0])])[-1]
+    np.testing.assert_allclose(logits[b, 0], ref, atol=1e-5, err_msg=f"row {b}")
+
+
+def test_commit_moves_only_the_path_slots():
+  cache = kvc.init(num_layers=2, batch=2, size=8, num_kv_heads=1, head_dim=1)
+  ramp = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8, 1, 1)
+  cache = cache.replace(k=ramp, v=-ramp, lengths_B=jnp.array([2, 3], jnp.int32))
+  out = kvc.commit(cache, jnp.array([[1, 3], [0, 2]]), jnp.array([2, 1]))
+  np.testing.assert_array_equal(np.asarray(out.lengths_B), [4, 4])
+  k = np.asarray(out.k)[..., 0, 0]
+  before = np.asarray(ramp)[..., 0, 0]
+  for layer in range(2):
+    np.testing.assert_array_equal(k[layer, 0, :4], before[layer, 0, [0, 1, 3, 5]])
+    np.testing.assert_array_equal(k[layer, 1, :4], before[layer, 1, [0, 1, 2, 3]])
+    np.testing.assert_array_equal(k[layer, 1, 3], before[layer, 1, 3])  # path[0] = 0: in place
+  np.testing.assert_array_equal(np.asarray(out.v), -np.asarray(out.k))
+
+
+def test_visible_mask_sees_committed_slots_and_allowed_new_tokens():
+  lengths = jnp.array([3, 0])
+  tree_TT = jnp.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # two children of node 0
+  mask = np.asarray(kvc.visible_mask(lengths, jnp.stack([tree_TT, tree_TT]), 8))
+  assert mask.shape == (2, 3, 8)
+  np.testing.assert_array_equal(mask[0, 2], [1, 1, 1, 1, 0, 1, 0, 0])
+  np.testing.assert_array_equal(mask[1, 1], [1, 1, 0, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(mask[0, :, 6:], False)  # beyond the new tokens: never
+
+
+def test_causal_mask_hides_padding_keys():
+  mask = np.asarray(kvc.causal_mask(jnp.array([[True, True, False]])))
+  np.testing.assert_array_equal(mask[0], [[1, 0, 0], [1, 1, 0], [1, 1, 0]])
+
+
+def test_write_past_the_end_is_dropped_not_clamped():
+  """A write that does not fit must never shift back onto committed slots."""
+  cache = kvc.init(num_layers=1, batch=2, size=4, num_kv_heads=1, head_dim=1)
+  cache = cache.replace(lengths_B=jnp.array([3, 1], jnp.int32))
+  new_BTKE = jnp.full((2, 2, 1, 1), 7.0)
+  out = kvc.write_layer(cache, 0, new_BTKE, -new_BTKE)
+  np.testing.assert_array_equal(np.asarray(out.k)[0, :, :, 0, 0], [[0, 0, 0, 7], [0, 7, 7, 0]])
+  np.testing.assert_array_equal(np.asarray(out.v), -np.asarray(out.k))
+  np.testing.assert_array_equal(np.asarray(out.lengths_B), [3, 1])  # written, not committed

@@ -1,0 +1,174 @@
+"""End-to-end training on the tiny config: learning, checkpoint/resume, sharding, errors."""
+
+import csv
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from redrafter_jax import cli, data, trainer
+from redrafter_jax.config import ConfigError, load_preset
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+VOCAB = 512  # random:tiny's vocabulary
+
+
+def write_synthetic(folder: pathlib.Path, num: int = 160, seed: int = 0) -> pathlib.Path:
+  """Records shaped like the tiny random LLM's answers: a random prompt, then a response of runs
+  of repeated tokens from a small set (a drafter learns quickly that the next token is mostly
+  the last one)."""
+  rng = np.random.default_rng(seed)
+  recs = []
+  for i in range(num):
+    n_prompt, n_resp = int(rng.integers(4, 16)), int(rng.integers(8, 60))
+    resp = np.repeat(rng.integers(100, 132, n_resp), rng.integers(4, 12, n_resp))[:n_resp]
+    tokens = np.concatenate([rng.integers(0, VOCAB, n_prompt), resp])
+    recs.append(data.encode_record(tokens, [0] * n_prompt + [1] * n_resp, id=f"s{i}"))
+  folder.mkdir(parents=True)
+  half = num // 2
+  data.write_shard(folder / "shard-00000.array_record", recs[:half])
+  data.write_shard(folder / "shard-00001.array_record", recs[half:])
+  manifest = {"settings": {"vocab_size": VOCAB},
+              "shards": {"shard-00000.array_record": {}, "shard-00001.array_record": {}}}
+  (folder / data.MANIFEST).write_text(json.dumps(manifest))
+  return folder
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+  return write_synthetic(tmp_path_factory.mktemp("data") / "syn")
+
+
+def preset(data_dir, out_dir, **train):
+  overrides = {"train.data": str(data_dir), "train.output_dir": str(out_dir),
+               "train.seq_len": 64, "train.log_every": 2}
+  overrides.update({f"train.{k}": v for k, v in train.items()})
+  return load_preset(TINY, overrides)
+
+
+def losses_of(result):
+  return {r["step"]: r["loss"] for r in result.history}
+
+
+def test_tiny_config_learns_and_writes_outputs(synthetic, tmp_path):
+  from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.params import flat_params
+
+  out = tmp_path / "run"
+  result = trainer.train(preset(synthetic, out, num_steps=30, learning_rate=0.01),
+                         progress=False)
+  losses = [r["loss"] for r in result.history]
+  assert len(losses) == 30 and all(np.isfinite(losses))
+  assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
+  assert result.history[-1]["top1_1"] > result.history[0]["top1_1"]
+  rows = list(csv.DictReader(open(out / "metrics.csv")))
+  assert [int(r["step"]) for r in rows] == list(range(1, 31))
+  assert float(rows[-1]["tokens_per_s"]) > 0
+  assert (out / "curves.png").stat().st_size > 1000
+  assert list((out / "tb").glob("events.out.tfevents.*"))
+  # The exported drafter (reference format) holds exactly the trained parameters.
+  drafter = load_drafter(out / "drafter")
+  exported = flat_params(drafter)
+  trained = trainer.flat_dict(result.params)
+  assert sorted(exported) == sorted(trained)
+  for name, value in trained.items():
+    np.testing.assert_array_equal(np.asarray(exported[name]), value)
+  # ... and ranks tokens by how often they are response tokens in the training data.
+  counts = data.token_counts(synthetic, VOCAB)
+  ranking = np.asarray(drafter.token_ranking[...])
+  assert sorted(ranking.tolist()) == list(range(VOCAB))
+  assert np.all(np.diff(counts[ranking]) <= 0) and counts[ranking[0]] == counts.max()
+
+
+def test_vocab_limit_trains_on_the_most_frequent_tokens(synthetic, tmp_path):
+  result = trainer.train(preset(synthetic, tmp_path / "run", num_steps=3, vocab_limit=16),
+                         progress=False, export=False)
+  counts = data.token_counts(synthetic, VOCAB)
+  top16 = np.argsort(-counts, kind="stable")[:16]
+  row = result.history[0]
+  assert 0 < row["coverage_1"] < 1
+  assert row["coverage_1"] == pytest.approx(counts[top16].sum() / counts.sum(), abs=0.15)
+  assert np.isfinite(row["loss"])
+  # Only the 16 tokens' rows of the vocabulary projection are non-zero (trained).
+  kernel = trainer.flat_dict(result.params)["lm_head.1.kernel"]
+  nonzero = np.flatnonzero(np.abs(kernel).max(axis=0) > 0)
+  assert sorted(nonzero.tolist()) == sorted(top16.tolist())
+
+
+def test_resume_after_crash_equals_uninterrupted_run(synthetic, tmp_path):
+  kw = dict(num_steps=10, checkpoint_every=4)
+  full = trainer.train(preset(synthetic, tmp_path / "full", **kw), progress=False, export=False)
+  crashed = preset(synthetic, tmp_path / "crash", **kw)
+  first = trainer.train(crashed, stop_after=6, save_at_stop=False, progress=False,
+                        export=False)  # dies after step 6, without a checkpoint there
+  assert first.last_step == 6
+  resumed = trainer.train(crashed, progress=False, export=False)
+  assert resumed.start_step == 4  # the newest checkpoint; steps 5-6 are redone
+  full_losses, resumed_losses = losses_of(full), losses_of(resumed)
+  assert sorted(resumed_losses) == list(range(5, 11))
+  for step, loss in resumed_losses.items():
+    assert loss == pytest.approx(full_losses[step], rel=1e-6, abs=1e-6), step
+  for name, value in trainer.flat_dict(full.params).items():
+    np.testing.assert_allclose(trainer.flat_dict(resumed.params)[name], value, rtol=1e-6,
+                               atol=1e-6, err_msg=name)
+  # metrics.csv describes one consistent run: the crashed steps 5-6 are not listed twice.
+  rows = list(csv.DictReader(open(tmp_path / "crash" / "metrics.csv")))
+  assert [int(r["step"]) for r in rows] == list(range(1, 11))
+
+
+def test_sharded_runs_match_single_device(synthetic, tmp_path):
+  import jax
+
+  assert jax.device_count() == 8  # conftest fakes 8 CPU devices
+  runs = {}
+  for name, mesh in {"single": (1, 1), "data8": (8, 1), "data4_model2": (4, 2)}.items():
+    p = preset(synthetic, tmp_path / name, num_steps=3, mesh_data=mesh[0], mesh_model=mesh[1])
+    runs[name] = losses_of(trainer.train(p, progress=False, export=False))
+  for name in ("data8", "data4_model2"):
+    for step, loss in runs["single"].items():
+      assert runs[name][step] == pytest.approx(loss, rel=1e-5), (name, step)
+
+
+def test_resume_refuses_a_different_drafter(synthetic, tmp_path):
+  out = tmp_path / "run"
+  trainer.train(preset(synthetic, out, num_steps=4, checkpoint_every=2), stop_after=1,
+                progress=False, export=False)
+  changed = load_preset(TINY, {"train.data": str(synthetic), "train.output_dir": str(out),
+                               "train.seq_len": 64, "train.num_steps": 4,
+                               "train.checkpoint_every": 2, "drafter.exit_dim": 48})
+  with pytest.raises(ConfigError, match="drafter.*exit_dim"):
+    trainer.train(changed, progress=False, export=False)
+
+
+def test_init_drafter_shape_mismatch_is_a_clear_error(synthetic, tmp_path):
+  from redrafter_jax.config import DrafterConfig
+  from redrafter_jax.models.drafter import init_drafter
+  from redrafter_jax.weights.drafter_io import save_drafter
+
+  other = save_drafter(init_drafter(DrafterConfig(vocab_size=VOCAB, hidden_size=32)),
+                       tmp_path / "d32")
+  p = preset(synthetic, tmp_path / "run", num_steps=2, init_drafter=str(other))
+  with pytest.raises(ConfigError, match="hidden_size=32.*hidden_size=64"):
+    trainer.train(p, progress=False, export=False)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train.num_stepz=3"], "unknown key(s) 'num_stepz' (did you mean 'num_steps'?)"),
+    (["train.data=/no/such/folder"], "data folder not found: /no/such/folder"),
+    (["train.batch_size=0"], "train.batch_size must be an integer >= 1"),
+])
+def test_cli_errors_are_one_line(argv, needle, capsys):
+  assert cli.main(["train", "--config", str(TINY), *argv]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_data_with_another_vocabulary_is_refused(tmp_path):
+  folder = write_synthetic(tmp_path / "d")
+  manifest = json.loads((folder / data.MANIFEST).read_text())
+  manifest["settings"]["vocab_size"] = 49152
+  (folder / data.MANIFEST).write_text(json.dumps(manifest))
+  with pytest.raises(ConfigError, match="vocab_size 49152"):
+    trainer.train(preset(folder, tmp_path / "run", num_steps=1), progress=False)
