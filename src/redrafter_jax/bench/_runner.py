@@ -1,0 +1,169 @@
+"""How the benchmark suite runs one method on a batch of prompts and times it.
+
+A helper of ``suite`` (the leading underscore keeps it out of the benchmark list). Timing is of
+whole calls; a call during which JAX compiled anything is timed again, so compile time never
+counts. Each prompt gets a static cache size (its need rounded up to ``CACHE_MULTIPLE`` slots)
+shared by all our methods, which keeps the number of compiled programs small.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import platform
+
+from redrafter_jax.bench.ar import clock, load_average, load_hf
+
+CACHE_MULTIPLE = 512
+
+
+_COMPILES = [0]
+
+
+@functools.cache
+def _watch_compiles() -> None:
+  import jax
+
+  def on_event(name, secs, **kwargs):
+    if name == "/jax/core/compile/backend_compile_duration":
+      _COMPILES[0] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+
+
+def timed(fn, tries: int = 3):
+  """``(fn(), seconds)`` of a call that compiled nothing (the first call of a shape compiles)."""
+  _watch_compiles()
+  for _ in range(tries):
+    before = _COMPILES[0]
+    out, secs = clock(fn)
+    if _COMPILES[0] == before:
+      return out, secs
+  raise RuntimeError(f"JAX still compiled on call {tries}: shapes are not static")
+
+
+class Runner:
+  """Runs one method on a batch of token-id prompts and measures it."""
+
+  def __init__(self, o, llm, drafter, tok, hf):
+    from redrafter_jax import decode as dec
+    from redrafter_jax.config import DecodeConfig
+    from redrafter_jax.tokenizer import stop_token_ids
+
+    self.o, self.llm, self.hf = o, llm, hf
+    self.stops = stop_token_ids(tok)
+    self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
+    # Restrict the draft vocabulary once, not inside every timed call.
+    self.drafter = dec.draft_model(drafter, DecodeConfig(draft_vocab_size=o.draft_vocab))
+    beams = o.beams + [o.main_beams]
+    self.scratch = max(l + w * (l - 1) + 1 for w, l in beams)
+    self.forwards = [0]
+    if hf is not None:  # transformers' forward calls: its tokens/step
+      hf.register_forward_hook(lambda *_: self.forwards.__setitem__(0, self.forwards[0] + 1))
+      for lookup in (0, o.prompt_lookup_tokens):  # warm-up
+        self._transformers([self.stops[0]] * 8, lookup, 4)
+
+  def cache_size(self, prompt_len: int) -> int | None:
+    """Static cache slots for a prompt (None: it does not fit the model's context)."""
+    need = prompt_len + self.o.max_new_tokens + self.scratch
+    limit = self.llm.config.max_position_embeddings
+    return None if need > limit else min(-(-need // CACHE_MULTIPLE) * CACHE_MULTIPLE, limit)
+
+  def measure(self, m, prompts: list[list[int]], cache_size: int, seed: int, *,
+              batch: bool = False) -> dict:
+    """One timed call; a ``batch`` record has per-row token counts instead of the tokens."""
+    (tokens, stats), secs = timed(lambda: self.call(m, prompts, cache_size, seed))
+    n = sum(len(t) for t in tokens)
+    rec = dict(new_tokens=n, seconds=secs, tokens_per_s=n / secs, **stats,
+               cache_size=cache_size, load_average=load_average())
+    if batch:
+      rec.update(row_tokens=[len(t) for t in tokens],
+                 per_request_tokens_per_s=n / len(tokens) / secs)
+    else:
+      rec["output_ids"] = tokens[0]
+    return rec
+
+  def call(self, m, prompts, cache_size: int, seed: int):
+    from redrafter_jax import decode as dec
+    from redrafter_jax.config import DecodeConfig
+    from redrafter_jax.generate import generate
+
+    o = self.o
+    if m.kind == "ar":
+      r = generate(self.llm, prompts, max_new_tokens=o.max_new_tokens, temperature=m.temperature,
+                   seed=seed, stop_ids=self.stops, cache_size=cache_size)
+      return r.tokens, dict(steps=r.steps, tokens_per_step=1.0)
+    if m.kind == "redrafter":
+      cfg = DecodeConfig(beam_width=m.beam_width, beam_length=m.beam_length,
+                         max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab,
+                         acceptance="exact" if m.acceptance == "greedy" else m.acceptance,
+                         cache_size=cache_size)
+      r = dec.decode(self.llm, self.drafter, prompts, cfg, seed=seed, stop_ids=self.stops,
+                     temperature=m.temperature)
+      s = r.metrics
+      return r.tokens, dict(steps=s["steps"], tokens_per_step=s["tokens_per_step"],
+                            accepted_histogram=s["accepted_length_histogram"],
+                            per_depth_acceptance=s["per_depth_acceptance"],
+                            mean_tree_tokens=s["mean_tree_tokens"], dedup_saving=s["dedup_saving"])
+    if len(prompts) != 1:
+      raise ValueError("transformers peers run at batch 1 only")
+    lookup = o.prompt_lookup_tokens if m.kind == "prompt_lookup" else 0
+    self.forwards[0] = 0
+    new = self._transformers(prompts[0], lookup, o.max_new_tokens)
+    return [new], dict(steps=self.forwards[0], tokens_per_step=len(new) / max(self.forwards[0], 1))
+
+  def _transformers(self, ids: list[int], lookup: int, max_new: int) -> list[int]:
+    import torch
+
+    dev = self.hf.device
+    kwargs = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
+    with torch.inference_mode():
+      out = self.hf.generate(torch.tensor([ids], device=dev),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
+                             do_sample=False, max_new_tokens=max_new, eos_token_id=list(self.stops),
+                             pad_token_id=self.pad, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def environment(o, hf) -> dict:
+  import jax
+
+  env = dict(started=datetime.datetime.now().isoformat(timespec="seconds"),
+             machine=platform.machine(), system=platform.system(), cpus=os.cpu_count(),
+             python=platform.python_version(), jax=jax.__version__, backend=jax.default_backend(),
+             device=jax.devices()[0].device_kind, load_average_start=load_average(),
+             argv=o.argv)
+  if hf is not None:
+    import torch
+    import transformers
+
+    env.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+               transformers=transformers.__version__, transformers_device=str(hf.device))
+  return env
+
+
+def load_models(o):
+  """``(llm, drafter, tokenizer, transformers model or None, note on skipped peers)``."""
+  import jax.numpy as jnp
+
+  from redrafter_jax.bench.decode import load_drafter_arg
+  from redrafter_jax.tokenizer import load_tokenizer
+  from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+
+  dtype = jnp.dtype(o.dtype)
+  llm, cfg = load_llama(o.model, dtype=dtype, backend=o.attention)
+  path = resolve_source(o.model)
+  drafter = load_drafter_arg(o.drafter, cfg, o.exit_dim, dtype=dtype)
+  hf, note = None, ""
+  if not o.no_transformers:
+    import torch
+
+    if o.gpu and not torch.cuda.is_available():
+      note = "transformers peers not measured: this torch build has no CUDA device"
+    else:
+      torch.set_num_threads(o.torch_threads)
+      hf = load_hf(path)
+      if o.gpu:
+        hf = hf.to(device="cuda", dtype=getattr(torch, o.dtype))
+  return llm, drafter, load_tokenizer(path), hf, note

@@ -1,0 +1,295 @@
+"""``python -m redrafter_jax.bench report FOLDER``: rebuild the suite's ``results.md`` and plots.
+
+Everything is built from ``FOLDER/measurements.json`` alone (written by the ``suite`` benchmark,
+through ``Store``): every number in the report is a measurement there or a ratio of two
+measurements taken on the same prompts; nothing is typed in, so an unmet goal simply shows.
+
+JSON layout: ``settings`` (what measurements depend on; a resumed run must match), ``sessions``
+(environment of each run), ``methods`` (key -> description), ``prompts`` (id -> category, prompt
+tokens, cache size), ``runs`` (prompt id -> method key -> measurement), ``step_split`` (method
+key -> ms of draft / verify / accept+commit), ``batch`` (batch size -> method key -> measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+SCHEMA = 1
+GREEDY_AR, HF_GREEDY = "ar_greedy", "transformers_greedy"
+
+
+class ResultsError(RuntimeError):
+  """A results folder that cannot be read or resumed."""
+
+
+class Store:
+  """``measurements.json``, rewritten atomically after every change."""
+
+  def __init__(self, path: pathlib.Path, settings: dict):
+    self.path = path
+    if path.is_file():
+      self.data = json.loads(path.read_text())
+      old = self.data.get("settings") or {}
+      if self.data.get("schema") != SCHEMA or old != settings:
+        diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        raise ResultsError(f"{path} holds measurements taken with other settings {diff} "
+                           "(old, new): pass another --out")
+    else:
+      self.data = dict(schema=SCHEMA, settings=settings, sessions=[], methods={}, prompts={},
+                       runs={}, step_split={}, batch={})
+
+  def has(self, section: str, *keys) -> bool:
+    node = self.data[section]
+    for k in keys:
+      if k not in node:
+        return False
+      node = node[k]
+    return True
+
+  def put(self, section: str, *keys, value) -> None:
+    node = self.data[section]
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    node[keys[-1]] = value
+    self.save()
+
+  def save(self) -> None:
+    """A crash mid-write leaves the previous file intact."""
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".measurements-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+      json.dump(self.data, f, indent=1)
+    os.replace(tmp, self.path)
+
+
+# ---- aggregation: over the prompts every compared method ran on -----------------------------
+
+def measured(runs: dict, *keys: str, category: str | None = None) -> list[str]:
+  return [p for p, r in runs.items() if all(k in r for k in keys)
+          and (category is None or r[keys[0]]["category"] == category)]
+
+
+def rate(runs: dict, key: str, pids: list[str]) -> float | None:
+  """Overall tokens/s: all new tokens over all seconds (not a mean of per-prompt rates)."""
+  secs = sum(runs[p][key]["seconds"] for p in pids)
+  return sum(runs[p][key]["new_tokens"] for p in pids) / secs if pids and secs else None
+
+
+def speedup(runs: dict, key: str, base: str, category: str | None = None) -> float | None:
+  pids = measured(runs, key, base, category=category)
+  a, b = rate(runs, key, pids), rate(runs, base, pids)
+  return a / b if a and b else None
+
+
+def tokens_per_step(runs: dict, key: str, pids: list[str]) -> float | None:
+  steps = sum(runs[p][key]["steps"] for p in pids)
+  if not steps:
+    return None
+  return sum(runs[p][key]["tokens_per_step"] * runs[p][key]["steps"] for p in pids) / steps
+
+
+def histogram(runs: dict, key: str) -> list[int]:
+  """Verification steps by number of accepted drafted tokens, summed over prompts."""
+  out: list[int] = []
+  for p in measured(runs, key):
+    h = runs[p][key].get("accepted_histogram") or []
+    n = max(len(out), len(h))
+    out = [a + b for a, b in zip(out + [0] * (n - len(out)), h + [0] * (n - len(h)))]
+  return out
+
+
+def with_runs(data: dict, pred) -> list[str]:
+  """Method keys (in run order) that match ``pred`` and have at least one measurement."""
+  runs = data["runs"]
+  return [k for k, m in data["methods"].items() if pred(m) and measured(runs, k)]
+
+
+def best_greedy(data: dict) -> str | None:
+  keys = with_runs(data, lambda m: m["kind"] == "redrafter" and m["temperature"] == 0)
+  ranked = [(speedup(data["runs"], k, GREEDY_AR) or 0.0, k) for k in keys]
+  return max(ranked)[1] if ranked else None
+
+
+# ---- markdown --------------------------------------------------------------------------------
+
+def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
+  """A number for a table cell; n/a where nothing was measured."""
+  return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+  align = ["---"] + ["---:"] * (len(head) - 1)
+  return ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"] + [
+      "| " + " | ".join(r) + " |" for r in rows] + [""]
+
+
+def greedy_table(data: dict) -> list[str]:
+  runs, methods = data["runs"], data["methods"]
+  rows = []
+  for k in with_runs(data, lambda m: m["temperature"] == 0):
+    pids = measured(runs, k)
+    same = measured(runs, k, GREEDY_AR)
+    agree = sum(runs[p][k]["output_ids"] == runs[p][GREEDY_AR]["output_ids"] for p in same)
+    tokens = sum(runs[p][k]["new_tokens"] for p in pids)
+    rows.append([methods[k]["label"], str(len(pids)), str(tokens), fmt(rate(runs, k, pids)),
+                 fmt(speedup(runs, k, GREEDY_AR), ".2f", "x"),
+                 fmt(speedup(runs, k, HF_GREEDY), ".2f", "x"),
+                 fmt(tokens_per_step(runs, k, pids), ".2f"), f"{agree}/{len(same)}"])
+  return table(["method", "prompts", "new tokens", "tokens/s", "vs our AR", "vs transformers",
+                "tokens/step", "same tokens as our AR"], rows)
+
+
+def sampling_table(data: dict) -> list[str]:
+  runs, methods = data["runs"], data["methods"]
+  rows = []
+  for k in with_runs(data, lambda m: m["temperature"] > 0):
+    m, pids = methods[k], measured(runs, k)
+    rows.append([m["label"], f"{m['temperature']:g}", str(len(pids)), fmt(rate(runs, k, pids)),
+                 fmt(speedup(runs, k, m["reference"]), ".2f", "x"),
+                 fmt(tokens_per_step(runs, k, pids), ".2f")])
+  return table(["method", "T", "prompts", "tokens/s", "vs our AR at same T", "tokens/step"], rows)
+
+
+def category_table(data: dict) -> list[str]:
+  runs = data["runs"]
+  best = best_greedy(data)
+  lookup = next(iter(with_runs(data, lambda m: m["kind"] == "prompt_lookup")), None)
+  if best is None:
+    return ["(no greedy ReDrafter measurements)", ""]
+  cats = list(dict.fromkeys(p["category"] for p in data["prompts"].values()))
+  rows = []
+  for c in cats + [None]:
+    pids = measured(runs, best, GREEDY_AR, category=c)
+    if not pids:
+      continue
+    sp = lambda a, b: speedup(runs, a, b, category=c) if a and b else None
+    lk = measured(runs, lookup, category=c) if lookup else []
+    rd_vs_lk = sp(best, lookup)
+    rows.append([c or "**all**", str(len(pids)), fmt(rate(runs, GREEDY_AR, pids)),
+                 fmt(rate(runs, best, pids)), fmt(sp(best, GREEDY_AR), ".2f", "x"),
+                 fmt(tokens_per_step(runs, best, pids), ".2f"),
+                 fmt(rate(runs, lookup, lk) if lk else None),
+                 fmt(sp(lookup, HF_GREEDY), ".2f", "x"),
+                 fmt(tokens_per_step(runs, lookup, lk) if lk else None, ".2f"),
+                 fmt(rd_vs_lk, ".2f", "x")])
+  return [f"ReDrafter setting: {data['methods'][best]['label']} (best overall greedy speedup)."
+          " Each method's speedup is over its own framework's AR greedy (ours / transformers'),"
+          " as in Spec-Bench.", ""] + table(
+      ["category", "prompts", "our AR tok/s", "ReDrafter tok/s", "ReDrafter speedup",
+       "ReDrafter tok/step", "prompt lookup tok/s", "prompt lookup speedup",
+       "prompt lookup tok/step", "ReDrafter / prompt lookup tok/s"], rows)
+
+
+def split_table(data: dict) -> list[str]:
+  rows = [[data["methods"][k]["label"], str(s["tree_tokens"]), fmt(s["draft_ms"]),
+           fmt(s["verify_ms"]), fmt(s["accept_commit_ms"]),
+           fmt(100 * s["overhead_vs_verify"], ".0f", "%")] for k, s in data["step_split"].items()]
+  return table(["setting", "tree tokens N", "draft ms", "verify ms", "accept+commit ms",
+                "overhead / verify"], rows)
+
+
+def batch_table(data: dict) -> list[str]:
+  rows = []
+  for B, recs in sorted(data["batch"].items(), key=lambda item: int(item[0])):
+    ar, rd = recs.get(GREEDY_AR), next((r for k, r in recs.items() if k != GREEDY_AR), None)
+    get = lambda r, k: r[k] if r else None
+    rows.append([B, fmt(get(ar, "per_request_tokens_per_s")), fmt(get(ar, "tokens_per_s")),
+                 fmt(get(rd, "per_request_tokens_per_s")), fmt(get(rd, "tokens_per_s")),
+                 fmt(rd["tokens_per_s"] / ar["tokens_per_s"] if ar and rd else None, ".2f", "x"),
+                 fmt(get(rd, "tokens_per_step"), ".2f")])
+  name = next((data["methods"][k]["label"] for recs in data["batch"].values() for k in recs
+               if k != GREEDY_AR), "ReDrafter")
+  return [f"Greedy, our AR vs {name}; per-request = a row's new tokens / wall time of the "
+          "batch call, averaged over rows.", ""] + table(
+      ["batch", "AR per-request tok/s", "AR total tok/s", "ReDrafter per-request tok/s",
+       "ReDrafter total tok/s", "speedup", "ReDrafter tok/step"], rows)
+
+
+def header(data: dict) -> list[str]:
+  s, env = data["settings"], (data["sessions"] or [{}])[-1]
+  lines = ["# ReDrafter benchmark suite", "",
+           f"Machine: {env.get('system')} {env.get('machine')}, {env.get('cpus')} CPUs, device "
+           f"{env.get('device')} ({env.get('backend')}); jax {env.get('jax')}, torch "
+           f"{env.get('torch', 'n/a')} ({env.get('torch_threads', 'n/a')} threads), transformers "
+           f"{env.get('transformers', 'n/a')}.",
+           f"Model {s['model']} ({s['dtype']}, attention {s['attention']}); drafter "
+           f"{s['drafter']}; up to {s['max_new_tokens']} new tokens per prompt (stop tokens end "
+           f"a response); {len(data['prompts'])} Spec-Bench prompts, batch 1 unless stated.",
+           f"Command: `python -m redrafter_jax.bench suite {' '.join(env.get('argv', []))}`.",
+           "Runs: " + "; ".join(f"{x.get('started')} (load average {x.get('load_average_start')}"
+                                 f" -> {x.get('load_average_end', '?')})"
+                                 for x in data["sessions"]) + "."]
+  busy = [x for x in data["sessions"] if _load(x) > 0.5 * (x.get("cpus") or 1)]
+  if busy:
+    lines.append("**The machine was busy during a run (see the load averages): timings are noisy, "
+                 "and transformers' multi-threaded CPU kernels slow down far more under "
+                 "contention than XLA's, so ratios against transformers are unreliable.**")
+  if s["drafter"] == "random":
+    lines.append("**The drafter is untrained (random weights): drafts are almost never accepted, "
+                 "so these numbers time the machinery, not ReDrafter's speedup.**")
+  lines += [x["note"] for x in data["sessions"] if x.get("note")]
+  return lines + [""]
+
+
+def _load(session: dict) -> float:
+  try:
+    return float(session.get("load_average_start"))
+  except (TypeError, ValueError):
+    return 0.0
+
+
+DEFINITIONS = """\
+Definitions. tokens/s: all new tokens over all wall seconds of whole calls (prefill included,
+compilation excluded: a call that compiled is timed again). Speedups are ratios of tokens/s over
+the prompts both methods ran on, in the same run, interleaved prompt by prompt. tokens/step:
+ReDrafter's (accepted drafted tokens + 1) per verification step; transformers': new tokens per
+forward call; AR: 1. "same tokens": prompts whose greedy output equals our AR greedy output
+token for token (float32 ties may flip a few). Typical acceptance is lossy by design: its output
+distribution differs from the model's."""
+
+
+def render(data: dict, plots: list[str]) -> str:
+  lines = header(data)
+  lines += ["## Greedy", ""] + greedy_table(data)
+  lines += ["## Sampling", ""] + sampling_table(data)
+  lines += ["## Per category (greedy)", ""] + category_table(data)
+  if data["step_split"]:
+    lines += ["## One decode step, split (median ms)", ""] + split_table(data)
+  if data["batch"]:
+    lines += ["## Batch sizes", ""] + batch_table(data)
+  lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + ["", DEFINITIONS, ""]
+  return "\n".join(lines)
+
+
+def write(folder: pathlib.Path) -> pathlib.Path:
+  """``results.md`` and the plots from ``folder/measurements.json``; returns the markdown path."""
+  from redrafter_jax.bench import plots
+
+  path = pathlib.Path(folder) / "measurements.json"
+  if not path.is_file():
+    raise ResultsError(f"no measurements.json in {folder}")
+  data = json.loads(path.read_text())
+  out = path.parent / "results.md"
+  out.write_text(render(data, plots.write(path.parent, data)))
+  return out
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if len(argv) != 1 or argv[0].startswith("-"):
+    print("usage: python -m redrafter_jax.bench report RESULTS_FOLDER\n" + __doc__.strip())
+    return 2
+  try:
+    print(write(pathlib.Path(argv[0])).read_text())
+  except ResultsError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

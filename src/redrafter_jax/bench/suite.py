@@ -1,0 +1,326 @@
+"""``python -m redrafter_jax.bench suite``: ReDrafter against its peers on Spec-Bench, in one run.
+
+On the same prompts, machine and run, INTERLEAVED prompt by prompt (every method runs on a
+prompt before the next prompt starts, so drift in machine load hits all methods alike):
+
+  our AR         ``generate``: greedy, and sampled at each ``--temperatures`` value
+  ReDrafter      ``decode``: greedy at each ``--beams`` (W, L); exact sampling at each temperature
+                 and typical acceptance (lossy) at ``--typical-temperature``, at ``--main-beams``
+  transformers   PyTorch greedy ``generate`` on the same GGUF, and its prompt-lookup assisted
+                 generation (the peers a user would try first on this model)
+
+Prompts: the first ``--per-category`` prompts of each category in file order (a fixed subset),
+chat-templated. Every method stops at the model's stop tokens or after ``--max-new-tokens``;
+tokens/s is new tokens over the wall time of the whole call (prefill included). A call during
+which JAX compiled anything is timed again, so compilation never counts. Each prompt gets one
+static cache size (its need rounded up to 512 slots) shared by all our methods, which keeps
+recompilation rare.
+Then, per greedy (W, L): the draft / verify / accept+commit split of one step
+(``bench.decode.step_split``); and with ``--batch-sizes`` (default with ``--gpu``) our AR and
+ReDrafter at batch sizes 1..16 (per-request and total tokens/s).
+
+Output: ``<out>/<machine>/<date>/`` (``-quick`` appended for ``--quick``; an ``--out`` folder that
+already holds ``measurements.json`` is used as is): ``measurements.json`` (every measurement;
+rewritten atomically after each one; re-running skips what it holds), ``results.md`` and PNG
+plots, both built from the JSON alone (``python -m redrafter_jax.bench report FOLDER`` rebuilds
+them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import pathlib
+import platform
+import re
+import sys
+import zlib
+
+from redrafter_jax.bench._runner import Runner, environment, load_models
+from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
+
+# CPU defaults: a full run stays well under an hour on 2 idle cores (13 prompts x 12 methods;
+# --per-category 2 roughly doubles the measuring). On CPU the verify forward grows with the tree
+# (W=16 L=5, 65 tokens, costs about 4 AR steps), so wide trees do not pay there; the GPU preset
+# sweeps them.
+FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,4x4,4x5,8x5", main_beams="4x5",
+            temperatures="0.7,1.0", split_repeat=10)
+GPU = dict(beams="1x4,4x4,8x4,4x5,8x5,16x5", main_beams="8x5", batch_sizes="1,2,4,8,16")
+# --quick: the two shortest of the first prompts of each category, few tokens, fewer settings.
+QUICK = dict(per_category=1, max_new_tokens=16, beams="1x4,4x5", main_beams="4x5",
+             temperatures="0.7", split_repeat=2)
+QUICK_PROMPTS = 2
+
+
+class SuiteError(RuntimeError):
+  """Bad arguments or an out folder that cannot be resumed; reported without a traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  key: str
+  label: str
+  kind: str  # ar | redrafter | transformers | prompt_lookup
+  temperature: float = 0.0
+  beam_width: int = 0
+  beam_length: int = 0
+  acceptance: str = "greedy"  # greedy | exact | typical
+  reference: str = "ar_greedy"  # our AR at the same temperature: the speedup baseline
+
+
+def parse_args(argv) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench suite",
+                              description=__doc__.strip().splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="\n".join(__doc__.strip().splitlines()[2:]))
+  p.add_argument("--prompts", type=pathlib.Path, default=DEFAULT_PROMPTS,
+                 help="Spec-Bench jsonl ({id, source, category, prompt} per line)")
+  p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
+  p.add_argument("--drafter", default="random",
+                 help="drafter folder, or 'random' (untrained: times the machinery only)")
+  p.add_argument("--exit-dim", type=int, default=256, help="exit_dim of a random drafter")
+  p.add_argument("--per-category", type=int, help=f"first N prompts of each category "
+                 f"(default {FULL['per_category']})")
+  p.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
+  p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results root")
+  p.add_argument("--beams", help=f"greedy ReDrafter settings WxL (default {FULL['beams']})")
+  p.add_argument("--main-beams", help="WxL of the sampling runs and the batch sweep "
+                 f"(default {FULL['main_beams']})")
+  p.add_argument("--temperatures", help=f"exact-sampling temperatures (default "
+                 f"{FULL['temperatures']})")
+  p.add_argument("--typical-temperature", type=float, default=0.7,
+                 help="temperature of the typical-acceptance run (lossy); 0 skips it")
+  p.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0 = all)")
+  p.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                 help="transformers' prompt_lookup_num_tokens")
+  p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
+  p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                 help="transformers' CPU threads (default: the core count)")
+  p.add_argument("--batch-sizes", help=f"batch sweep, e.g. 1,2,4 (default: none; "
+                 f"{GPU['batch_sizes']} with --gpu)")
+  p.add_argument("--split-repeat", type=int, help="timed repeats of each step part")
+  p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
+  p.add_argument("--quick", action="store_true", help="~2-minute smoke run")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 (bf16 --gpu)")
+  p.add_argument("--attention", choices=("xla", "cudnn"), help="default xla (cudnn with --gpu)")
+  p.add_argument("--gpu", action="store_true", help="NVIDIA GPU preset: bf16, cudnn attention, "
+                 f"beams {GPU['beams']}, main beams {GPU['main_beams']}, batch sizes "
+                 f"{GPU['batch_sizes']}; fails without a GPU")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  o = p.parse_args(argv)
+  o.argv = list(sys.argv[1:] if argv is None else argv)
+  defaults = {**FULL, **(GPU if o.gpu else {}), **(QUICK if o.quick else {}),
+              **({"batch_sizes": "1,4"} if o.gpu and o.quick else {})}
+  for name, value in defaults.items():
+    if getattr(o, name) is None:
+      setattr(o, name, value)
+  o.dtype = o.dtype or ("bfloat16" if o.gpu else "float32")
+  o.attention = o.attention or ("cudnn" if o.gpu else "xla")
+  o.beams = parse_beams(p, "--beams", o.beams)
+  o.main_beams = parse_beams(p, "--main-beams", o.main_beams)[0]
+  try:
+    o.temperatures = [float(t) for t in o.temperatures.split(",") if t.strip()]
+    o.batch_sizes = [int(b) for b in (o.batch_sizes or "").split(",") if b.strip()]
+  except ValueError as e:
+    p.error(f"--temperatures / --batch-sizes: {e}")
+  if any(t <= 0 for t in o.temperatures) or o.typical_temperature < 0:
+    p.error("sampling temperatures must be > 0 (greedy runs always happen)")
+  for name in ("per_category", "max_new_tokens", "split_repeat", "prompt_lookup_tokens",
+               "torch_threads"):
+    if getattr(o, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+  if any(b < 1 for b in o.batch_sizes):
+    p.error(f"--batch-sizes must be >= 1, got {o.batch_sizes}")
+  return o
+
+
+def parse_beams(p, flag: str, text: str) -> list[tuple[int, int]]:
+  try:
+    out = [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",") if s.strip()]
+  except ValueError:
+    out = []
+  if not out or any(len(s) != 2 or s[0] < 1 or s[1] < 2 for s in out):
+    p.error(f"{flag} wants WxL settings with W >= 1, L >= 2 (L counts g0), e.g. 4x4,8x5; "
+            f"got {text!r}")
+  return out
+
+
+def build_methods(o) -> list[Method]:
+  """Every measured method, in the order they run on each prompt."""
+  fmt = lambda t: f"{t:g}"
+  W, L = o.main_beams
+  sampled = sorted(set(o.temperatures) | ({o.typical_temperature} - {0.0}))
+  out = [Method("ar_greedy", "our AR greedy", "ar")]
+  if not o.no_transformers:
+    out.append(Method("transformers_greedy", "transformers greedy", "transformers"))
+  out += [Method(f"redrafter_W{w}_L{l}", f"ReDrafter W={w} L={l}", "redrafter", 0.0, w, l)
+          for w, l in o.beams]
+  if not o.no_transformers:
+    n = o.prompt_lookup_tokens
+    out.append(Method(f"prompt_lookup_{n}", f"transformers prompt lookup ({n})", "prompt_lookup"))
+  for t in sampled:
+    ref = f"ar_T{fmt(t)}"
+    out.append(Method(ref, f"our AR T={fmt(t)}", "ar", t, reference=ref))
+    if t in o.temperatures:
+      out.append(Method(f"redrafter_exact_T{fmt(t)}_W{W}_L{L}",
+                        f"ReDrafter exact T={fmt(t)} (W={W} L={L})", "redrafter", t, W, L,
+                        "exact", ref))
+    if t == o.typical_temperature:
+      out.append(Method(f"redrafter_typical_T{fmt(t)}_W{W}_L{L}",
+                        f"ReDrafter typical T={fmt(t)} (W={W} L={L}), LOSSY", "redrafter", t, W,
+                        L, "typical", ref))
+  return out
+
+
+def select_prompts(path: pathlib.Path, per_category: int) -> list[dict]:
+  """The first ``per_category`` rows of each category, categories in file order."""
+  try:
+    rows = read_prompts(path, None)
+  except (FileNotFoundError, ValueError) as e:
+    raise SuiteError(str(e)) from e
+  seen, out = {}, []
+  for i, row in enumerate(rows):
+    missing = [k for k in ("id", "category", "prompt") if k not in row]
+    if missing:
+      raise SuiteError(f"{path}: line {i + 1} lacks {missing} (want id, category, prompt)")
+    if str(row["id"]) in seen:
+      raise SuiteError(f"{path}: duplicate prompt id {row['id']!r}")
+    seen[str(row["id"])] = row["category"]
+    if sum(c == row["category"] for c in seen.values()) <= per_category:
+      out.append(row)
+  return sorted(out, key=lambda r: list(dict.fromkeys(seen.values())).index(r["category"]))
+
+
+def machine_slug(gpu: bool) -> str:
+  import jax
+
+  name = (jax.devices()[0].device_kind if gpu else
+          f"{platform.system()}-{platform.machine()}-{os.cpu_count()}cpu")
+  return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def run_folder(out: pathlib.Path, machine: str, quick: bool) -> pathlib.Path:
+  if (out / "measurements.json").is_file():
+    return out
+  return out / machine / (datetime.date.today().isoformat() + ("-quick" if quick else ""))
+
+
+def settings_of(o) -> dict:
+  """What measurements depend on; a resumed run must match it exactly."""
+  return dict(model=str(o.model), drafter=str(o.drafter),
+              exit_dim=o.exit_dim if o.drafter == "random" else None,
+              dtype=o.dtype, attention=o.attention,
+              max_new_tokens=o.max_new_tokens, draft_vocab=o.draft_vocab,
+              prompt_lookup_tokens=o.prompt_lookup_tokens, seed=o.seed,
+              torch_threads=None if o.no_transformers or o.gpu else o.torch_threads)
+
+
+def run(o) -> pathlib.Path:
+  """Measure everything missing from the out folder, then write the report; returns the folder."""
+  from tqdm import tqdm
+
+  from redrafter_jax.bench import report
+  from redrafter_jax.bench.decode import step_split
+  from redrafter_jax.bench.report import Store
+  from redrafter_jax.config import DecodeConfig
+  from redrafter_jax.tokenizer import encode
+
+  if o.gpu:
+    import jax
+
+    if jax.default_backend() != "gpu":
+      raise SuiteError(f"--gpu needs an NVIDIA GPU visible to JAX, but JAX runs on "
+                       f"{jax.default_backend()!r} (install redrafter_jax[gpu] on a GPU machine, "
+                       "or drop --gpu)")
+  rows = select_prompts(o.prompts, o.per_category)
+  folder = run_folder(o.out, machine_slug(o.gpu), o.quick)
+  store = Store(folder / "measurements.json", settings_of(o))
+  llm, drafter, tok, hf, note = load_models(o)
+  runner = Runner(o, llm, drafter, tok, hf)
+  store.data["sessions"].append(dict(environment(o, hf), note=note))
+  prompts = {}
+  for row in rows:
+    ids = encode(tok, row["prompt"], chat=True)
+    size = runner.cache_size(len(ids))
+    if size is None:
+      print(f"skipping prompt {row['id']}: {len(ids)} tokens do not fit the context",
+            file=sys.stderr)
+      continue
+    prompts[str(row["id"])] = (row, ids, size)
+  if o.quick:
+    keep = sorted(prompts, key=lambda k: len(prompts[k][1]))[:QUICK_PROMPTS]
+    prompts = {k: v for k, v in prompts.items() if k in keep}
+  if not prompts:
+    raise SuiteError(f"{o.prompts}: no prompt fits the model's context")
+  methods = build_methods(o)
+  greedy = [m for m in methods if m.kind == "redrafter" and m.temperature == 0]
+  W, L = o.main_beams
+  batch_methods = [methods[0], Method(f"redrafter_W{W}_L{L}", f"ReDrafter W={W} L={L}",
+                                      "redrafter", 0.0, W, L)]
+  for m in methods + batch_methods:
+    store.data["methods"][m.key] = dataclasses.asdict(m)
+  for pid, (row, ids, size) in prompts.items():
+    store.data["prompts"][pid] = dict(category=row["category"], prompt_tokens=len(ids),
+                                      cache_size=size)
+  store.save()
+
+  bar = tqdm(total=len(prompts) * len(methods) + len(greedy)
+             + len(o.batch_sizes) * len(batch_methods), disable=o.no_progress, unit="run")
+  for pid, (row, ids, size) in prompts.items():
+    seed = o.seed + zlib.crc32(pid.encode()) % 2**30
+    for m in methods:
+      bar.set_description(f"{pid} {m.key}")
+      if not store.has("runs", pid, m.key):
+        rec = runner.measure(m, [ids], size, seed)
+        store.put("runs", pid, m.key, value=dict(category=row["category"], **rec))
+      bar.update()
+  first = next(iter(prompts.values()))[1]
+  for m in greedy:
+    bar.set_description(f"step split {m.key}")
+    if not store.has("step_split", m.key):
+      cfg = DecodeConfig(beam_width=m.beam_width, beam_length=m.beam_length,
+                         max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab)
+      store.put("step_split", m.key, value=dict(
+          step_split(llm, runner.drafter, first, cfg, o.split_repeat), prompt_tokens=len(first),
+          tree_tokens=cfg.num_tree_tokens))
+    bar.update()
+  batch_sweep(o, runner, store, [ids for _, ids, _ in prompts.values()], batch_methods, bar)
+  bar.close()
+  store.data["sessions"][-1]["load_average_end"] = load_average()
+  store.save()
+  report.write(folder)
+  return folder
+
+
+def batch_sweep(o, runner: Runner, store, prompts: list[list[int]], methods, bar) -> None:
+  """Our AR and ReDrafter at each batch size, on the first B prompts (cycled when too few)."""
+  for B in o.batch_sizes:
+    batch = [prompts[i % len(prompts)] for i in range(B)]
+    size = runner.cache_size(max(len(p) for p in batch))
+    for m in methods:
+      bar.set_description(f"batch {B} {m.key}")
+      if not store.has("batch", str(B), m.key):
+        rec = runner.measure(m, batch, size, o.seed, batch=True)
+        store.put("batch", str(B), m.key, value=rec)
+      bar.update()
+
+
+def main(argv=None) -> int:
+  from redrafter_jax.bench.report import ResultsError
+  from redrafter_jax.cli import user_errors
+
+  o = parse_args(argv)
+  try:
+    folder = run(o)
+  except (SuiteError, ResultsError, *user_errors()) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print((folder / "results.md").read_text())
+  print(f"results: {folder}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

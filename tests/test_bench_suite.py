@@ -1,0 +1,219 @@
+"""The benchmark suite: a --quick run writes every file, resumes without redoing work, and its
+report's numbers are exactly the JSON's measurements (tiny random model; the real SmolLM2 --quick
+run is marked slow)."""
+
+import json
+import re
+
+import pytest
+
+import tiny_models
+from redrafter_jax.bench import _runner, decode as bench_decode, report, suite
+
+PNGS = {"speedup_vs_beam_width.png", "accepted_length_histogram.png", "step_split.png"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """A tiny HF Llama folder with a word-level tokenizer, and Spec-Bench-style prompts for it."""
+  root = tmp_path_factory.mktemp("suite")
+  model = tiny_models.save_tokenizer(
+      tiny_models.save(tiny_models.hf_model("llama", seed=3), root / "model"))
+  lines = [json.dumps(dict(id=f"p{i}", source="test", category=cat,
+                           prompt=" ".join(f"w{(7 * i + j) % 100}" for j in range(n))))
+           for i, (cat, n) in enumerate([("writing", 9), ("writing", 5), ("qa", 12), ("qa", 6),
+                                         ("math", 4)])]
+  prompts = root / "prompts.jsonl"
+  prompts.write_text("\n".join(lines) + "\n")
+  return model, prompts
+
+
+def quick_args(tiny, out, *extra):
+  model, prompts = tiny
+  return ["--quick", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+          "--max-new-tokens", "10", "--exit-dim", "32", "--no-progress", *extra]
+
+
+def the_folder(out):
+  (path,) = list(out.glob("*/*/measurements.json"))
+  return path.parent
+
+
+def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, capsys):
+  out = tmp_path / "results"
+  # With the batch sweep: the --gpu code path, run on CPU (xla attention, float32).
+  args = quick_args(tiny, out, "--batch-sizes", "1,3")
+  assert suite.main(args) == 0
+  folder = the_folder(out)
+  assert folder.name.endswith("-quick") and folder.parent.name == suite.machine_slug(False)
+  assert {p.name for p in folder.iterdir()} == {"measurements.json", "results.md",
+                                                "batch_throughput.png"} | PNGS
+  for png in folder.glob("*.png"):
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+  data = json.loads((folder / "measurements.json").read_text())
+  assert data["settings"]["dtype"] == "float32"
+  # The two shortest of the first prompts of each category (p1 and p3 are not first).
+  assert sorted(data["runs"]) == ["p0", "p4"]
+  sampled = {"ar_T0.7", "redrafter_exact_T0.7_W4_L5", "redrafter_typical_T0.7_W4_L5"}
+  keys = {"ar_greedy", "transformers_greedy", "redrafter_W1_L4", "redrafter_W4_L5",
+          "prompt_lookup_10"} | sampled
+  for pid, runs in data["runs"].items():
+    assert set(runs) == keys
+    for key, r in runs.items():
+      assert 1 <= r["new_tokens"] <= 10 and r["seconds"] > 0 and r["steps"] >= 1
+      assert r["new_tokens"] == len(r["output_ids"])
+      assert r["category"] == data["prompts"][pid]["category"]
+    for key in keys - sampled:
+      assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"], key  # greedy is exact
+    assert sum(runs["redrafter_W4_L5"]["accepted_histogram"]) == runs["redrafter_W4_L5"]["steps"]
+  assert set(data["step_split"]) == {"redrafter_W1_L4", "redrafter_W4_L5"}
+  assert set(data["batch"]) == {"1", "3"}
+  b3 = data["batch"]["3"]["redrafter_W4_L5"]
+  assert len(b3["row_tokens"]) == 3 and b3["new_tokens"] == sum(b3["row_tokens"])
+  md = (folder / "results.md").read_text()
+  for section in ("## Greedy", "## Sampling", "## Per category", "## One decode step",
+                  "## Batch sizes", "untrained"):
+    assert section in md
+  assert "LOSSY" in md and all(f"]({p})" in md for p in PNGS)
+
+  # Resume: drop one run and one step split; only those two are measured again.
+  removed = data["runs"]["p4"].pop("redrafter_W4_L5")
+  del data["step_split"]["redrafter_W1_L4"]
+  (folder / "measurements.json").write_text(json.dumps(data))
+  calls = []
+  measure, real_split = _runner.Runner.measure, bench_decode.step_split
+  monkeypatch.setattr(_runner.Runner, "measure",
+                      lambda self, m, *a, **k: calls.append(m.key) or measure(self, m, *a, **k))
+  monkeypatch.setattr(bench_decode, "step_split",
+                      lambda *a, **k: calls.append("split") or real_split(*a, **k))
+  assert suite.main(args) == 0
+  assert calls == ["redrafter_W4_L5", "split"]
+  again = json.loads((folder / "measurements.json").read_text())
+  assert again["runs"]["p0"] == data["runs"]["p0"]  # untouched measurements are kept
+  assert again["runs"]["p4"]["redrafter_W4_L5"]["output_ids"] == removed["output_ids"]
+  assert len(again["sessions"]) == 2
+
+  # A resumed run must not mix settings.
+  capsys.readouterr()
+  assert suite.main(quick_args(tiny, out, "--dtype", "bfloat16")) == 2
+  assert "other settings {'dtype': ('float32', 'bfloat16')}" in capsys.readouterr().err
+
+
+def synthetic():
+  """Two prompts in two categories; AR 10 tok/s overall, ReDrafter 20, transformers 5."""
+  def rec(cat, n, secs, steps=1, tps=1.0, ids=None):
+    return dict(category=cat, new_tokens=n, seconds=secs, steps=steps, tokens_per_step=tps,
+                output_ids=ids or [1] * n)
+  methods = {k: dict(label=k, kind=kind, temperature=0.0, beam_width=w, beam_length=l,
+                     acceptance="greedy", reference="ar_greedy")
+             for k, kind, w, l in [("ar_greedy", "ar", 0, 0),
+                                   ("transformers_greedy", "transformers", 0, 0),
+                                   ("redrafter_W4_L4", "redrafter", 4, 4),
+                                   ("prompt_lookup_10", "prompt_lookup", 0, 0)]}
+  runs = {"a": {"ar_greedy": rec("x", 10, 2.0), "transformers_greedy": rec("x", 10, 4.0),
+                "redrafter_W4_L4": rec("x", 10, 1.0, 4, 2.5),
+                "prompt_lookup_10": rec("x", 10, 2.0, 5, 2.0)},
+          "b": {"ar_greedy": rec("y", 30, 2.0), "transformers_greedy": rec("y", 30, 4.0),
+                "redrafter_W4_L4": rec("y", 30, 1.0, 12, 2.0, [2] * 30)}}
+  return dict(schema=1, settings=dict(model="m", dtype="float32", attention="xla",
+                                      drafter="d", max_new_tokens=30),
+              sessions=[], methods=methods, runs=runs, step_split={}, batch={},
+              prompts={"a": dict(category="x"), "b": dict(category="y")})
+
+
+def row(md, first_cell):
+  line = next(l for l in md.splitlines() if l.startswith(f"| {first_cell} |"))
+  return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_report_numbers_are_ratios_of_json_measurements():
+  data = synthetic()
+  md = report.render(data, [])
+  # Overall rate = all tokens / all seconds (40/4 = 10, not the mean of 5 and 15).
+  assert row(md, "ar_greedy")[3] == "10.0"
+  rd = row(md, "redrafter_W4_L4")
+  assert rd[3:7] == ["20.0", "2.00x", "4.00x", "2.12"]  # tokens/step weighted by steps: 34/16
+  assert rd[7] == "1/2"  # prompt b's output differs from AR's
+  # prompt lookup ran on prompt a only: its speedups use prompt a alone.
+  assert row(md, "prompt_lookup_10")[1:6] == ["1", "10", "5.0", "1.00x", "2.00x"]
+  x = row(md, "x")
+  assert x[1:6] == ["1", "5.0", "10.0", "2.00x", "2.50"]
+  assert x[6:] == ["5.0", "2.00x", "2.00", "2.00x"]
+  assert row(md, "y")[6:] == ["n/a", "n/a", "n/a", "n/a"]
+  data["runs"]["a"]["redrafter_W4_L4"]["accepted_histogram"] = [1, 2]
+  data["runs"]["b"]["redrafter_W4_L4"]["accepted_histogram"] = [3, 0, 1]
+  assert report.histogram(data["runs"], "redrafter_W4_L4") == [4, 2, 1]
+  # Change one measurement: the table follows.
+  data["runs"]["b"]["redrafter_W4_L4"]["seconds"] = 3.0
+  assert row(report.render(data, []), "redrafter_W4_L4")[3:5] == ["10.0", "1.00x"]
+
+
+def test_select_prompts_takes_the_first_n_of_each_category(spec_bench_path, tmp_path):
+  rows = [json.loads(l) for l in spec_bench_path.read_text().splitlines()]
+  got = suite.select_prompts(spec_bench_path, 2)
+  cats = list(dict.fromkeys(r["category"] for r in rows))
+  assert len(cats) == 13 and len(got) == 26
+  assert [r["id"] for r in got] == [r["id"] for c in cats
+                                    for r in [x for x in rows if x["category"] == c][:2]]
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"id": "1", "prompt": "hi"}\n')
+  with pytest.raises(suite.SuiteError, match="line 1 lacks \\['category'\\]"):
+    suite.select_prompts(bad, 1)
+
+
+def test_gpu_mode_fails_clearly_without_a_gpu(tiny, tmp_path, capsys):
+  assert suite.main(quick_args(tiny, tmp_path, "--gpu")) == 2
+  err = capsys.readouterr().err
+  assert re.search(r"--gpu needs an NVIDIA GPU visible to JAX, but JAX runs on 'cpu'", err)
+  assert not list(tmp_path.iterdir())  # failed before writing anything
+
+
+def test_bad_arguments_are_rejected(capsys):
+  for args in (["--beams", "4"], ["--beams", "4x1"], ["--temperatures", "0"],
+               ["--per-category", "0"], ["--batch-sizes", "a"]):
+    with pytest.raises(SystemExit) as e:
+      suite.parse_args(args)
+    assert e.value.code == 2
+  assert "WxL" in capsys.readouterr().err
+
+
+def test_presets_fill_only_what_was_not_given():
+  o = suite.parse_args([])
+  assert (o.dtype, o.attention, o.batch_sizes, o.per_category) == ("float32", "xla", [], 1)
+  o = suite.parse_args(["--gpu", "--batch-sizes", "2", "--beams", "3x3"])
+  assert (o.dtype, o.attention, o.batch_sizes, o.beams) == ("bfloat16", "cudnn", [2], [(3, 3)])
+  assert suite.parse_args(["--gpu"]).batch_sizes == [1, 2, 4, 8, 16]
+  o = suite.parse_args(["--quick", "--max-new-tokens", "7"])
+  assert (o.max_new_tokens, o.per_category, o.temperatures) == (7, 1, [0.7])
+
+
+def test_timed_excludes_compilation():
+  import jax
+  import jax.numpy as jnp
+
+  calls = []
+  fn = jax.jit(lambda x: x * 3 + 1)
+
+  def body():
+    calls.append(1)
+    return fn(jnp.arange(7.0)).block_until_ready()
+
+  _runner.timed(body)
+  assert len(calls) == 2  # the first call compiled, so it was timed again
+  _runner.timed(body)
+  assert len(calls) == 3
+
+
+@pytest.mark.slow
+def test_quick_suite_on_smollm2(spec_bench_path, tmp_path):
+  """The real --quick run (SmolLM2-135M, transformers peers): every file, sane numbers."""
+  assert suite.main(["--quick", "--prompts", str(spec_bench_path), "--out", str(tmp_path),
+                     "--no-progress"]) == 0
+  folder = the_folder(tmp_path)
+  assert {p.name for p in folder.iterdir()} == {"measurements.json", "results.md"} | PNGS
+  data = json.loads((folder / "measurements.json").read_text())
+  assert len(data["runs"]) == 2
+  for runs in data["runs"].values():
+    assert len(runs) == 8
+    for key in ("redrafter_W1_L4", "redrafter_W4_L5"):
+      assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"]
