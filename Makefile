@@ -25,9 +25,11 @@ fetch: setup
 demo: fetch
 	$(PY) -m redrafter_jax.cli demo
 
-# The whole suite, real-model tests included (CI runs this).
+# The whole suite, real-model tests included (CI runs this): the fast tests, then the slow
+# (real-model) ones in a second process, so that neither accumulates the other's programs.
 test: fetch
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 # The quick inner loop: no real-model or long tests.
 test-fast: setup

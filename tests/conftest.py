@@ -28,3 +28,16 @@ def spec_bench_path():
   if not path.is_file():
     pytest.fail(f"Spec-Bench prompts not found at {path} (../shared/data beside the checkout)")
   return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drop JAX's compiled programs after each test module, so that one long pytest process does
+  not accumulate hundreds of executables (and the real model's) until memory runs out."""
+  yield
+  import gc
+
+  import jax
+
+  jax.clear_caches()
+  gc.collect()

@@ -57,8 +57,13 @@ def _np_step(p, cfg, h, s, emb):
   return _np_log_softmax(logits), s
 
 
-def _np_beam_search(p, cfg, embed, h, g0, W, L):
-  """Textbook beam search: joint top-W over all W*V extensions, scores start [0, -5e4...]."""
+def _np_beam_search(p, cfg, embed, h, g0, W, L, ids=None):
+  """Textbook beam search: joint top-W over all W*V extensions, scores start [0, -5e4...].
+
+  ``ids`` (optional) maps the head's output rows to token ids (a restricted draft vocabulary).
+  """
+  ids = np.arange(cfg.vocab_size) if ids is None else ids
+  K = len(ids)
   beams = [[g0] for _ in range(W)]
   scores = np.array([0.0] + [-5e4] * (W - 1))
   logps = [[] for _ in range(W)]
@@ -68,9 +73,9 @@ def _np_beam_search(p, cfg, embed, h, g0, W, L):
     lp, states = _np_step(p, cfg, np.tile(h, (W, 1)), states, embed[prev])
     cand = (scores[:, None] + lp).reshape(-1)
     top = np.argsort(-cand, kind="stable")[:W]
-    parent, token = top // V, top % V
-    beams = [beams[a] + [int(t)] for a, t in zip(parent, token)]
-    logps = [logps[a] + [float(lp[a, t])] for a, t in zip(parent, token)]
+    parent, row = top // K, top % K
+    beams = [beams[a] + [int(ids[r])] for a, r in zip(parent, row)]
+    logps = [logps[a] + [float(lp[a, r])] for a, r in zip(parent, row)]
     scores, states = cand[top], states[parent]
   return np.array(beams), np.array(logps), scores
 
@@ -139,7 +144,8 @@ def test_restricted_draft_vocab_drafts_only_top_ranked_tokens():
   assert small.lm_head[-1].kernel.shape == (12, K)
   assert d.lm_head[-1].kernel.shape == (12, V)  # the original is untouched
   p = {k: np.asarray(v, np.float64) for k, v in flat_params(d).items()}
-  p[f"lm_head.{d.config.num_draft_layers}.kernel"] = p[f"lm_head.{d.config.num_draft_layers}.kernel"][:, ranking[:K]]
+  head = f"lm_head.{d.config.num_draft_layers}.kernel"
+  p[head] = p[head][:, ranking[:K]]
   rng = np.random.default_rng(2)
   embed = rng.normal(size=(V, D))
   h = rng.normal(size=(2, D))
@@ -149,27 +155,8 @@ def test_restricted_draft_vocab_drafts_only_top_ranked_tokens():
   assert np.isin(np.asarray(out.beams_BWL[:, :, 1:]), ranking[:K]).all()
   # NumPy: the same search over the K-token head, mapping rows back to token ids.
   cfg_k = DrafterConfig(vocab_size=K, hidden_size=D, exit_dim=12, num_draft_layers=2, rnn=True)
-  embed_k = embed[ranking[:K]]
   for b in range(2):
-    beams_k, logps, _ = _np_beam_search_ids(p, cfg_k, embed, h[b], int(g0[b]), 4, 4, ranking[:K])
+    beams_k, logps, _ = _np_beam_search(p, cfg_k, embed, h[b], int(g0[b]), 4, 4, ranking[:K])
     np.testing.assert_array_equal(out.beams_BWL[b], beams_k)
     np.testing.assert_allclose(out.logp_BWL1[b], logps, rtol=1e-4, atol=1e-4)
-  del embed_k
 
-
-def _np_beam_search_ids(p, cfg, embed, h, g0, W, L, ids):
-  beams = [[g0] for _ in range(W)]
-  scores = np.array([0.0] + [-5e4] * (W - 1))
-  logps = [[] for _ in range(W)]
-  states = np.zeros((W, D))
-  K = len(ids)
-  for _ in range(L - 1):
-    prev = np.array([b[-1] for b in beams])
-    lp, states = _np_step(p, cfg, np.tile(h, (W, 1)), states, embed[prev])
-    cand = (scores[:, None] + lp).reshape(-1)
-    top = np.argsort(-cand, kind="stable")[:W]
-    parent, row = top // K, top % K
-    beams = [beams[a] + [int(ids[r])] for a, r in zip(parent, row)]
-    logps = [logps[a] + [float(lp[a, r])] for a, r in zip(parent, row)]
-    scores, states = cand[top], states[parent]
-  return np.array(beams), np.array(logps), scores

@@ -158,7 +158,7 @@ def _post(url, path, body: bytes | str | dict):
 GOOD = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
 BAD = [  # (path, body, status, param)
-    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 400, "model"),
     ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 200)}, 400, "prompt"),

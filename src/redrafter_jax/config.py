@@ -260,14 +260,6 @@ class DecodeConfig:
 
   @property
   def num_tree_tokens(self) -> int:
-    if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
-      raise ConfigError(f"draft_vocab_size must be an integer >= 0, got {self.draft_vocab_size!r}")
-    if self.draft_vocab_size and self.acceptance == "reference":
-      raise ConfigError("acceptance='reference' needs the drafter's full-vocabulary distribution; "
-                        "set draft_vocab_size=0")
-    if self.draft_vocab_size and self.draft_vocab_size < self.beam_width:
-      raise ConfigError(f"draft_vocab_size ({self.draft_vocab_size}) must be >= beam_width "
-                        f"({self.beam_width})")
     if self.token_budget is not None:
       return self.token_budget
     return self.beam_width * (self.beam_length - 1) + 1
@@ -326,7 +318,7 @@ class Preset:
   model: str = "smollm2-135m"  # a known name (see weights.fetch) or a path to GGUF / HF folder
   dtype: str = "float32"
   drafter: Mapping[str, Any] | None = None  # DrafterConfig fields beyond vocab/hidden size
-  drafter_path: str | None = None  # a trained drafter folder (reference format)
+  drafter_path: str | None = None  # a trained drafter folder, or "shipped" (checkpoints/)
   decode: DecodeConfig = DecodeConfig()
   train: TrainConfig = TrainConfig()
 

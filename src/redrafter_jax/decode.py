@@ -289,6 +289,27 @@ def prepare(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg:
                   sampling.needs_filter(top_p, top_k))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """A prefilled decode, ready for the loop (``_loop_jit``) or its twin (``_step_jit``)."""
+
+  models: tuple  # (llm_def, llm_state, drafter_def, drafter_state)
+  state: DecodeState
+  loop_args: tuple  # (params, stop_ids)
+  static: dict  # cfg and filtered
+
+  @classmethod
+  def start(cls, llm, drafter, prompts, cfg, **kwargs) -> "_Run":
+    p = prepare(llm, drafter, prompts, cfg, **kwargs)
+    llm_def, llm_state = nnx.split(llm)
+    drafter_def, drafter_state = nnx.split(draft_model(drafter, cfg))
+    static = dict(cfg=static_config(cfg), filtered=p.filtered)
+    state = _init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
+                      cache_size=p.cache_size, **static)
+    return cls((llm_def, llm_state, drafter_def, drafter_state), state, (p.params, p.stop_ids),
+               static)
+
+
 def decode(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg: DecodeConfig,
            *, seed: int = 0, stop_ids: Sequence[int] = (), temperature=None, top_p=None,
            top_k=None) -> DecodeResult:
@@ -297,16 +318,9 @@ def decode(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg: 
   Sampling settings default to ``cfg``'s and may be given per prompt (arrays of length B).
   Greedy (temperature 0) output equals ``generate``'s greedy output.
   """
-  p = prepare(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids, temperature=temperature,
-              top_p=top_p, top_k=top_k)
-  llm_def, llm_state = nnx.split(llm)
-  drafter_def, drafter_state = nnx.split(draft_model(drafter, cfg))
-  cfg = static_config(cfg)
-  state = _init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
-                    cfg=cfg, cache_size=p.cache_size, filtered=p.filtered)
-  state = _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, p.params, p.stop_ids,
-                    cfg=cfg, filtered=p.filtered)
-  return DecodeResult.from_state(state)
+  run = _Run.start(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids,
+                   temperature=temperature, top_p=top_p, top_k=top_k)
+  return DecodeResult.from_state(_loop_jit(*run.models, run.state, *run.loop_args, **run.static))
 
 
 def decode_stepwise(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]],
@@ -316,16 +330,11 @@ def decode_stepwise(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int
 
   ``on_step(state)`` (optional) sees the state after every step, for tests and debugging.
   """
-  p = prepare(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids, temperature=temperature,
-              top_p=top_p, top_k=top_k)
-  llm_def, llm_state = nnx.split(llm)
-  drafter_def, drafter_state = nnx.split(draft_model(drafter, cfg))
-  cfg = static_config(cfg)
-  state = _init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
-                    cfg=cfg, cache_size=p.cache_size, filtered=p.filtered)
+  run = _Run.start(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids,
+                   temperature=temperature, top_p=top_p, top_k=top_k)
+  state = run.state
   while not bool(jnp.all(state.done_B)):
-    state = _step_jit(llm_def, llm_state, drafter_def, drafter_state, state, p.params,
-                      p.stop_ids, cfg=cfg, filtered=p.filtered)
+    state = _step_jit(*run.models, state, *run.loop_args, **run.static)
     if on_step is not None:
       on_step(state)
   return DecodeResult.from_state(state)

@@ -1,10 +1,17 @@
 """Static-shape KV cache with per-row lengths.
 
-Layout: ``k``/``v`` are ``[layers, B, S, K, E]``; ``lengths_B`` counts the committed slots of each
-row. A forward over T new tokens writes their K/V at slots ``lengths[b] .. lengths[b] + T - 1``
-WITHOUT committing them; the caller then either ``advance``s (prefill, AR step) or ``commit``s an
-accepted tree path (a gather of at most A slots; the cache is never cloned). Rows never need
-padding on the left: each row's prompt starts at slot 0 and positions are per row.
+Layout: ``k``/``v`` are tuples with one ``[B, K, S, E]`` array per layer; ``lengths_B`` counts the
+committed slots of each row. A forward over T new tokens writes their K/V at slots
+``lengths[b] .. lengths[b] + T - 1`` WITHOUT committing them; the caller then either
+``advance``s (prefill, AR step) or ``commit``s an accepted tree path (a gather of at most A slots;
+the cache is never cloned). Rows never need padding on the left: each row's prompt starts at
+slot 0 and positions are per row.
+
+Why per-layer ``[B, K, S, E]`` (rather than one ``[layers, B, S, K, E]`` array): attention is then
+a batched matmul over (b, k) with contiguous ``[S, E]`` blocks, with no transpose of the cache,
+and each layer's update is in place on its own buffer, with no slice copies. Measured on the
+2-core CPU at B=32, S=512: attention over 30 layers 99 ms vs 415 ms, update + attention 197 ms vs
+2.2 s for the stacked ``[layers, B, S, K, E]`` layout.
 """
 
 from __future__ import annotations
@@ -16,40 +23,50 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  k: jax.Array  # [layers, B, S, K, E]
-  v: jax.Array  # [layers, B, S, K, E]
+  k: tuple[jax.Array, ...]  # per layer [B, K, S, E]
+  v: tuple[jax.Array, ...]  # per layer [B, K, S, E]
   lengths_B: jax.Array  # int32 [B], committed slots per row
 
   @property
   def size(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[2]
 
   @property
   def batch(self) -> int:
-    return self.k.shape[1]
+    return self.k[0].shape[0]
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.k)
+
+  def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+    """``(k_BKSE, v_BKSE)`` of layer ``i``."""
+    return self.k[i], self.v[i]
 
 
 def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
          dtype=jnp.float32) -> KVCache:
-  shape = (num_layers, batch, size, num_kv_heads, head_dim)
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+  shape = (batch, num_kv_heads, size, head_dim)
+  return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                 v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                  lengths_B=jnp.zeros((batch,), jnp.int32))
 
 
 def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
   """Write one layer's new K/V at each row's first uncommitted slot (no commit).
 
-  One scatter on the whole cache with explicit (row, slot) indices, which XLA performs in place:
-  a ``vmap`` of ``dynamic_update_slice`` over rows instead moves the batch axis of the whole
-  multi-layer array and copies it. Slots past the cache's end are dropped (never clamped back
-  onto committed slots).
+  A scatter with explicit (row, slot) indices, in place on the layer's buffer. Slots past the
+  cache's end are dropped (never clamped back onto committed slots).
   """
   B, T = k_BTKE.shape[:2]
   rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
   slots_BT = cache.lengths_B[:, None] + jnp.arange(T)
 
-  def put(c_LBSKE, x_BTKE):
-    return c_LBSKE.at[layer, rows_BT, slots_BT].set(x_BTKE.astype(c_LBSKE.dtype), mode="drop")
+  def put(layers, x_BTKE):
+    c_BKSE = layers[layer]
+    # Advanced indices on axes 0 and 2 (around a slice) address [B, T, K, E] blocks.
+    c_BKSE = c_BKSE.at[rows_BT, :, slots_BT].set(x_BTKE.astype(c_BKSE.dtype), mode="drop")
+    return layers[:layer] + (c_BKSE,) + layers[layer + 1:]
 
   return cache.replace(k=put(cache.k, k_BTKE), v=put(cache.v, v_BTKE))
 
@@ -93,8 +110,8 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
   src_BA = cache.lengths_B[:, None] + path_BA
   dst_BA = cache.lengths_B[:, None] + jnp.arange(A)
 
-  def move(c_LBSKE):
-    return c_LBSKE.at[:, rows_BA, dst_BA].set(c_LBSKE[:, rows_BA, src_BA], mode="drop")
+  def move(c_BKSE):
+    return c_BKSE.at[rows_BA, :, dst_BA].set(c_BKSE[rows_BA, :, src_BA], mode="drop")
 
-  return cache.replace(k=move(cache.k), v=move(cache.v),
+  return cache.replace(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v),
                        lengths_B=cache.lengths_B + num_B.astype(jnp.int32))

@@ -133,11 +133,11 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
   @app.get("/v1/models/{name:path}")
   async def model(name: str):
     if name != model_name:
-      raise _unknown_model(name)
+      raise _unknown_model(name, 404)  # GET of a resource that does not exist
     return model_card()
 
-  def _unknown_model(name: str) -> APIError:
-    return APIError(404, f"the model '{name}' does not exist; this server serves "
+  def _unknown_model(name: str, status: int = 400) -> APIError:
+    return APIError(status, f"the model '{name}' does not exist; this server serves "
                     f"'{model_name}'", param="model", code="model_not_found")
 
   def check_model(body: protocol.RequestBase) -> None:

@@ -82,9 +82,10 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
   done_1 = done_1 | (limit <= 1)
 
   # Only the prompt's T slots are written: slots past a row's length are never visible.
-  at = (0, slot, 0, 0, 0)
-  cache = s.cache.replace(k=jax.lax.dynamic_update_slice(s.cache.k, row_cache.k, at),
-                          v=jax.lax.dynamic_update_slice(s.cache.v, row_cache.v, at),
+  at = (slot, 0, 0, 0)
+  put_rows = lambda full, row: tuple(jax.lax.dynamic_update_slice(f, r, at)
+                                     for f, r in zip(full, row))
+  cache = s.cache.replace(k=put_rows(s.cache.k, row_cache.k), v=put_rows(s.cache.v, row_cache.v),
                           lengths_B=s.cache.lengths_B.at[slot].set(length_1[0]))
   put = lambda full, row: full.at[slot].set(row[0])
   out = s.out.replace(tokens_BM=put(s.out.tokens_BM, out_1.tokens_BM),

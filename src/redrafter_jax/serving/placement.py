@@ -9,6 +9,8 @@ donated, so the batch never leaves the devices; only ``StepOut`` and the first t
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import logging
 from typing import Sequence
@@ -73,11 +75,11 @@ class Placement:
 
   def _shardings(self, abstract_batch, num_kv_heads: int):
     model = self.mesh.shape[sh.MODEL]
-    kv = P(None, None, None, sh.MODEL, None) if num_kv_heads % model == 0 else P()
+    kv = P(None, sh.MODEL, None, None) if num_kv_heads % model == 0 else P()  # [B, K, S, E]
 
     def one(path, _):
       name = sh.path_name(path)
-      spec = kv if name.endswith(("cache.k", "cache.v")) else P()
+      spec = kv if re.search(r"cache\.(k|v)\.\d+$", name) else P()
       return NamedSharding(self.mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, abstract_batch)

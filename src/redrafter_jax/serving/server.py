@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pathlib
 import socket
 import threading
 import time
@@ -46,11 +45,13 @@ def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool,
   if path is None:
     raise ConfigError("no drafter to serve: set drafter_path in the preset, pass --drafter PATH, "
                       "or use --random-drafter (tests) or --ar (no speculation)")
-  if not pathlib.Path(path).exists():
-    raise ConfigError(f"drafter not found: {path} (train one, or pass --drafter PATH)")
+  from redrafter_jax.shipped import resolve_drafter
   from redrafter_jax.weights.drafter_io import load_drafter
 
-  return load_drafter(path)
+  try:
+    return load_drafter(resolve_drafter(path))  # 'shipped' or a folder
+  except FileNotFoundError as e:
+    raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
 
 def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
