@@ -148,3 +148,18 @@ def test_real_model_greedy_records(smollm2, tmp_path):
     response = rec["tokens"][rec["mask"] > 0]
     assert 1 <= len(response) <= 16
     assert tok.decode(response.tolist()).strip()  # real text, not empty
+
+
+def test_first_shards_are_a_uniform_sample_sorted_within_shards():
+  """Stopping after k shards must not leave only the shortest prompts (an early run of ours did:
+  jobs sorted globally by length put 612 short, mostly code prompts in the first 3 shards)."""
+  from redrafter_jax.distill import plan_jobs
+
+  lengths = list(range(1000))  # prompt i has length i
+  jobs = plan_jobs(lengths, 0.25, seed=0, shard_size=100)
+  assert sorted((j.prompt, j.sampled) for j in jobs) == sorted(
+      {(j.prompt, j.sampled) for j in jobs})  # no job twice
+  assert sum(not j.sampled for j in jobs) == 1000
+  first = [lengths[j.prompt] for j in jobs[:100]]
+  assert first == sorted(first)  # batches inside a shard pad little
+  assert 300 < np.mean(first) < 700 and max(first) > 900 and min(first) < 100

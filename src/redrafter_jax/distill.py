@@ -1,8 +1,10 @@
 """Teacher data for self-distillation: the frozen LLM answers the training prompts (DESIGN §7).
 
 Every prompt is answered once greedily; a seeded fraction is also answered by sampling at T=1,
-so the drafter sees the LLM's own continuations under both decoders. Jobs are sorted by prompt
-length and cut into shards of ``shard_size``; each shard is generated in fixed-size batches
+so the drafter sees the LLM's own continuations under both decoders. Jobs are shuffled and cut
+into shards of ``shard_size`` (any first k shards are a uniform sample of the prompts: a job
+stopped early is still representative), sorted by prompt length within each shard, and each
+shard is generated in fixed-size batches
 (``generate()``; the last batch is padded by repeating a job, so shapes and compiles stay few)
 and written as one ArrayRecord file under a temporary name, then renamed, then recorded in
 ``manifest.json``. A rerun with the same settings skips the shards the manifest lists, so a
@@ -168,20 +170,34 @@ def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[Pro
 # ----------------------------------------------------------------------------- jobs and shards
 
 
+# Recorded in the manifest: folders written with another job order cannot be resumed.
+JOB_ORDER = "shuffled, length-sorted within shards"
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
   prompt: int  # index into the prompt list
   sampled: bool  # T=1 sampling (else greedy)
 
 
-def plan_jobs(lengths: Sequence[int], sampled_fraction: float, seed: int) -> list[Job]:
-  """Every prompt greedy, a seeded ``sampled_fraction`` also sampled; sorted by prompt length."""
+def plan_jobs(lengths: Sequence[int], sampled_fraction: float, seed: int,
+              shard_size: int) -> list[Job]:
+  """Every prompt greedy, a seeded ``sampled_fraction`` also sampled.
+
+  The jobs are shuffled before they are cut into shards, so that the first k shards are a
+  uniform sample of the prompts (a run stopped early still covers every source and length);
+  within a shard they are sorted by prompt length, so batches pad little.
+  """
   if not 0.0 <= sampled_fraction <= 1.0:
     raise ConfigError(f"sampled_fraction must be in [0, 1], got {sampled_fraction}")
-  draw = np.random.default_rng(seed).random(len(lengths))
+  rng = np.random.default_rng(seed)
+  draw = rng.random(len(lengths))
   jobs = [Job(i, False) for i in range(len(lengths))]
   jobs += [Job(i, True) for i in range(len(lengths)) if draw[i] < sampled_fraction]
-  return sorted(jobs, key=lambda j: (lengths[j.prompt], j.prompt, j.sampled))
+  jobs = [jobs[i] for i in rng.permutation(len(jobs))]
+  by_length = lambda j: (lengths[j.prompt], j.prompt, j.sampled)
+  return [job for k in range(0, len(jobs), shard_size)
+          for job in sorted(jobs[k:k + shard_size], key=by_length)]
 
 
 def shard_name(index: int) -> str:
@@ -261,7 +277,8 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
   if not keep:
     raise DataError(f"every prompt is longer than max_prompt_tokens={max_prompt_tokens}")
   lengths = [len(tokens[i]) for i in keep]
-  jobs = [Job(keep[j.prompt], j.sampled) for j in plan_jobs(lengths, sampled_fraction, seed)]
+  jobs = [Job(keep[j.prompt], j.sampled)
+          for j in plan_jobs(lengths, sampled_fraction, seed, shard_size)]
   shards = [jobs[i:i + shard_size] for i in range(0, len(jobs), shard_size)]
 
   out = pathlib.Path(out_dir)
@@ -269,7 +286,7 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
                   prompts=prompts_path.name, prompts_sha256=_file_digest(prompts_path),
                   limit=limit, max_new_tokens=max_new_tokens, sampled_fraction=sampled_fraction,
                   shard_size=shard_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
-                  num_shards=len(shards))
+                  num_shards=len(shards), order=JOB_ORDER)
   manifest = _open_manifest(out, settings)
   todo = [k for k in range(len(shards)) if shard_name(k) not in manifest["shards"]]
   skipped = len(shards) - len(todo)

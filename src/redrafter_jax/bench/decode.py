@@ -87,25 +87,38 @@ def load_drafter_arg(spec: str, llm_cfg, exit_dim: int, dtype=jnp.float32) -> Dr
   if spec == "random":
     return Drafter(DrafterConfig(vocab_size=llm_cfg.vocab_size, hidden_size=llm_cfg.hidden_size,
                                  exit_dim=exit_dim), dtype=dtype, rngs=nnx.Rngs(0))
+  from redrafter_jax.shipped import resolve_drafter
   from redrafter_jax.weights.drafter_io import load_drafter
 
-  return load_drafter(spec, dtype=dtype)
+  return load_drafter(resolve_drafter(spec), dtype=dtype)
+
+
+def draft_vocab_arg(spec: str, value: int | None) -> int:
+  """``--draft-vocab``, defaulting to the drafter's recommended size (its decode.json), else all."""
+  if value is not None or spec == "random":
+    return value or 0
+  from redrafter_jax.shipped import recommended_draft_vocab, resolve_drafter
+
+  return recommended_draft_vocab(resolve_drafter(spec))
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench decode", description=__doc__)
   ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench jsonl")
   ap.add_argument("--model", default="smollm2-135m")
-  ap.add_argument("--drafter", default="random", help="drafter folder, or 'random'")
+  ap.add_argument("--drafter", default="random",
+                  help="drafter folder, 'shipped' (checkpoints/) or 'random'")
   ap.add_argument("--exit-dim", type=int, default=256, help="exit_dim of a random drafter")
   ap.add_argument("--num-prompts", type=int, default=8)
   ap.add_argument("--max-prompt-tokens", type=int, default=512)
   ap.add_argument("--max-new-tokens", type=int, default=96)
   ap.add_argument("--beams", default="4x4,8x5", help="comma-separated WxL settings")
-  ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0 = all)")
+  ap.add_argument("--draft-vocab", type=int, default=None,
+                  help="draft vocabulary size (0 = all; default: the drafter's decode.json, else all)")
   ap.add_argument("--budget", type=int, default=0, help="tree token budget N (0 = W*(L-1)+1)")
   ap.add_argument("--repeat", type=int, default=10, help="repeats for the step split")
   args = ap.parse_args(argv)
+  args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
 
   llm, llm_cfg = load_llama(args.model)
   tok = load_tokenizer(resolve_source(args.model))

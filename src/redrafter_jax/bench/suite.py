@@ -45,7 +45,7 @@ from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
 # --per-category 2 roughly doubles the measuring). On CPU the verify forward grows with the tree
 # (W=16 L=5, 65 tokens, costs about 4 AR steps), so wide trees do not pay there; the GPU preset
 # sweeps them.
-FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,4x4,4x5,8x5", main_beams="4x5",
+FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,4x4,8x5,16x5", main_beams="4x5",
             temperatures="0.7,1.0", split_repeat=10)
 GPU = dict(beams="1x4,4x4,8x4,4x5,8x5,16x5", main_beams="8x5", batch_sizes="1,2,4,8,16")
 # --quick: the two shortest of the first prompts of each category, few tokens, fewer settings.
@@ -79,7 +79,8 @@ def parse_args(argv) -> argparse.Namespace:
                  help="Spec-Bench jsonl ({id, source, category, prompt} per line)")
   p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
   p.add_argument("--drafter", default="random",
-                 help="drafter folder, or 'random' (untrained: times the machinery only)")
+                 help="drafter folder, 'shipped' (checkpoints/), or 'random' (untrained: times "
+                 "the machinery only)")
   p.add_argument("--exit-dim", type=int, default=256, help="exit_dim of a random drafter")
   p.add_argument("--per-category", type=int, help=f"first N prompts of each category "
                  f"(default {FULL['per_category']})")
@@ -92,7 +93,8 @@ def parse_args(argv) -> argparse.Namespace:
                  f"{FULL['temperatures']})")
   p.add_argument("--typical-temperature", type=float, default=0.7,
                  help="temperature of the typical-acceptance run (lossy); 0 skips it")
-  p.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0 = all)")
+  p.add_argument("--draft-vocab", type=int, default=None,
+                 help="draft vocabulary size (0 = all; default: the drafter's decode.json, else all)")
   p.add_argument("--prompt-lookup-tokens", type=int, default=10,
                  help="transformers' prompt_lookup_num_tokens")
   p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
@@ -133,6 +135,12 @@ def parse_args(argv) -> argparse.Namespace:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
   if any(b < 1 for b in o.batch_sizes):
     p.error(f"--batch-sizes must be >= 1, got {o.batch_sizes}")
+  from redrafter_jax.bench.decode import draft_vocab_arg
+
+  try:
+    o.draft_vocab = draft_vocab_arg(o.drafter, o.draft_vocab)
+  except FileNotFoundError as e:
+    p.error(str(e))
   return o
 
 
