@@ -58,8 +58,9 @@ def run(args) -> int:
         f"drafter {path}, W={cfg.beam_width} L={cfg.beam_length} "
         f"N={cfg.num_tree_tokens} draft vocab={cfg.draft_vocab_size or 'all'}", flush=True)
   print("compiling ...", flush=True)
-  generate(llm, prompts[:1], max_new_tokens=args.max_new_tokens, stop_ids=stops)
-  decode(llm, drafter, prompts[:1], cfg, stop_ids=stops)
+  for ids in prompts:  # prompts of other padded lengths compile their own prefill: not timed
+    generate(llm, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+    decode(llm, drafter, [ids], cfg, stop_ids=stops)
   total = {"ar": [0, 0.0], "rd": [0, 0.0, 0]}
   same = True
   for text, ids in zip(args.prompt or PROMPTS, prompts):
