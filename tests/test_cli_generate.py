@@ -155,3 +155,16 @@ def test_bad_beam_settings_are_one_error_line(folder, drafter_folder, capsys, ar
 def test_missing_drafter_is_one_error_line(folder, capsys, tmp_path):
   rc, out, err = cli(capsys, "--model", folder, "--prompt", "w1", "--drafter", tmp_path / "nope")
   assert rc == 2 and err.strip().startswith("error: drafter not found")
+
+
+@pytest.mark.slow
+def test_demo_runs_the_shipped_drafter_and_matches_ar(capsys):
+  """``make demo``'s command on the real model: prints the answer, both speeds, tokens/step,
+  and that ReDrafter's greedy text is AR's."""
+  rc = main(["demo", "--max-new-tokens", "24", "--prompt", "Write a Python function that adds "
+             "two numbers."])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert "def " in out  # the model's answer is printed
+  assert re.search(r"AR [0-9.]+ tok/s \| ReDrafter [0-9.]+ tok/s, [0-9.]+ tokens/step", out)
+  assert "ReDrafter output identical to AR greedy: yes" in out
