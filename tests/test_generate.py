@@ -20,8 +20,7 @@ def model(tmp_path_factory):
   return model
 
 
-def prompt(seed, n):
-  return np.random.default_rng(seed).integers(0, tiny_models.VOCAB, n).tolist()
+prompt = tiny_models.random_tokens
 
 
 @functools.partial(jax.jit, static_argnums=0)

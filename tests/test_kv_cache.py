@@ -72,8 +72,7 @@ def model(tmp_path_factory):
   return model
 
 
-def tokens(seed, n):
-  return np.random.default_rng(seed).integers(0, tiny_models.VOCAB, n).tolist()
+tokens = tiny_models.random_tokens
 
 
 def test_prefill_then_ar_steps_equal_full_forward(model):

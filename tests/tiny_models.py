@@ -67,6 +67,11 @@ def hf_model(kind: str = "llama", seed: int = 0):
   return model
 
 
+def random_tokens(seed: int, n: int) -> list[int]:
+  """``n`` token ids drawn uniformly from the tiny vocabulary (reproducible per seed)."""
+  return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+
+
 def save(model, folder: pathlib.Path) -> pathlib.Path:
   folder.mkdir(parents=True, exist_ok=True)
   model.save_pretrained(str(folder), safe_serialization=True)

@@ -37,6 +37,9 @@ def decode_defaults(path) -> dict:
   return json.loads(file.read_text())
 
 
-def recommended_draft_vocab(path) -> int:
-  """The draft vocabulary size the drafter was trained/measured with (0 = whole vocabulary)."""
+def draft_vocab_for(path, requested: int | None = None) -> int:
+  """``requested`` if given, else the draft vocabulary size the drafter was trained/measured
+  with (its decode.json), else 0 (the whole vocabulary)."""
+  if requested is not None:
+    return requested
   return int(decode_defaults(path).get("draft_vocab_size", 0))

@@ -95,11 +95,11 @@ def load_drafter_arg(spec: str, llm_cfg, exit_dim: int, dtype=jnp.float32) -> Dr
 
 def draft_vocab_arg(spec: str, value: int | None) -> int:
   """``--draft-vocab``, defaulting to the drafter's recommended size (its decode.json), else all."""
-  if value is not None or spec == "random":
+  if spec == "random":
     return value or 0
-  from redrafter_jax.shipped import recommended_draft_vocab, resolve_drafter
+  from redrafter_jax.shipped import draft_vocab_for, resolve_drafter
 
-  return recommended_draft_vocab(resolve_drafter(spec))
+  return draft_vocab_for(resolve_drafter(spec), value)
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ def run(args) -> int:
   from redrafter_jax.config import DecodeConfig
   from redrafter_jax.decode import decode
   from redrafter_jax.generate import generate
-  from redrafter_jax.shipped import decode_defaults, resolve_drafter
+  from redrafter_jax.shipped import decode_defaults, draft_vocab_for, resolve_drafter
   from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter
@@ -47,7 +47,7 @@ def run(args) -> int:
       beam_width=args.beam_width or defaults.get("beam_width", 4),
       beam_length=args.beam_length or defaults.get("beam_length", 5),
       token_budget=defaults.get("token_budget"),
-      draft_vocab_size=defaults.get("draft_vocab_size", 0),
+      draft_vocab_size=draft_vocab_for(path),
       max_new_tokens=args.max_new_tokens)
   llm, _ = load_llama("smollm2-135m")
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))

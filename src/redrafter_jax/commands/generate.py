@@ -119,17 +119,15 @@ def redrafter_decoder(model, prompt_ids, args, stop_ids) -> Callable[[], Generat
   """ReDrafter decoding of one prompt with the drafter and beam settings of ``args``."""
   from redrafter_jax.config import DecodeConfig
   from redrafter_jax.decode import decode as rd_decode
-  from redrafter_jax.shipped import resolve_drafter
+  from redrafter_jax.shipped import draft_vocab_for, resolve_drafter
   from redrafter_jax.weights.drafter_io import load_drafter
 
   path = resolve_drafter(args.drafter)
   drafter = load_drafter(path)
-  draft_vocab = args.draft_vocab
-  if draft_vocab is None:
-    draft_vocab = drafter_recommended_vocab(path)
   cfg = DecodeConfig(beam_width=args.beam_width, beam_length=args.beam_length,
                      max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
-                     draft_vocab_size=draft_vocab, acceptance=args.acceptance)
+                     draft_vocab_size=draft_vocab_for(path, args.draft_vocab),
+                     acceptance=args.acceptance)
 
   def decode() -> Generation:
     r = rd_decode(model, drafter, [prompt_ids], cfg, seed=args.seed, stop_ids=stop_ids,
@@ -141,11 +139,6 @@ def redrafter_decoder(model, prompt_ids, args, stop_ids) -> Callable[[], Generat
 
   return decode
 
-
-def drafter_recommended_vocab(path) -> int:
-  from redrafter_jax.shipped import recommended_draft_vocab
-
-  return recommended_draft_vocab(path)
 
 
 def make_decoder(model, prompt_ids, args, stop_ids) -> tuple[str, Callable[[], Generation]]:
