@@ -45,11 +45,12 @@ def _example():
   return tokens, mask, seg, hidden, emb
 
 
-def _reference(drafter, tokens, mask, seg, hidden, emb, n, ids=None):
+def _reference(drafter, tokens, mask, seg, hidden, emb, n, ids=None, teacher_out=None):
   """Loops: position t, step i predicts token t+i+1 from h_t and tokens t+1..t+i.
 
   ``ids``: the drafter scores only these tokens; a target outside them has no cross-entropy
-  and counts as a miss for the accuracies."""
+  and counts as a miss for the accuracies. ``teacher_out`` [V, D]: the cross-entropy is against
+  softmax(teacher_out[ids] @ h_{t+i}) (the LLM's prediction of token t+i+1) instead."""
   B, T = tokens.shape
   recur = jax.jit(drafter.recur)  # the drafter's own math, one position at a time
   logits_of = jax.jit(drafter.logits)
@@ -70,7 +71,11 @@ def _reference(drafter, tokens, mask, seg, hidden, emb, n, ids=None):
         logits = logits[vocab]
         logp = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
         target = tokens[b, j]
-        if target in vocab:
+        if teacher_out is not None:
+          z = np.asarray(teacher_out, np.float64)[vocab] @ hidden[b, j - 1]
+          p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+          ce[i - 1].append(-np.sum(p * logp))
+        elif target in vocab:
           ce[i - 1].append(-logp[list(vocab).index(target)])
         order = vocab[np.argsort(-logits)]
         top1[i - 1].append(target in order[:1])
@@ -149,6 +154,42 @@ def test_restricted_vocabulary_matches_loop_reference():
   used = np.zeros(V, bool)
   used[ids] = True
   assert np.abs(g_CV[:, ~used]).max() == 0 and np.abs(g_CV[:, used]).max() > 0
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_soft_targets_match_loop_reference(restricted):
+  """Soft targets: cross-entropy against the LLM's distribution from the hidden state one
+  position before the target (over the restricted vocabulary when there is one)."""
+  from redrafter_jax.models.drafter import TokenRanking, restrict_vocab
+
+  n = 3
+  drafter = _drafter(exit_dim=12)
+  tokens, mask, seg, hidden, emb = _example()
+  out = np.random.default_rng(3).normal(size=(V, D)).astype(np.float32)
+  ids = None
+  graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+  drafter_of = lambda p: nnx.merge(graphdef, p, rest)
+  if restricted:
+    ids = list(range(0, V, 3))
+    drafter.token_ranking = TokenRanking(jnp.asarray(ids + [t for t in range(V) if t not in ids]))
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+    drafter_of = lambda p: restrict_vocab(nnx.merge(graphdef, p, rest), len(ids))
+  loss, m = losses.distill_loss(
+      drafter_of, params, jnp.asarray(hidden), jnp.asarray(emb), jnp.asarray(tokens),
+      jnp.asarray(mask), jnp.asarray(seg), num_steps=n, chunk=4,
+      vocab_ids_K=None if ids is None else jnp.asarray(ids), teacher_out_VD=jnp.asarray(out))
+  ref_loss, ref_ce, ref_top1, _, ref_count = _reference(
+      drafter, tokens, mask, seg, hidden, emb, n, ids=None if ids is None else np.asarray(ids),
+      teacher_out=out)
+  assert np.asarray(m["count_n"]).tolist() == ref_count and min(ref_count) > 0
+  np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(m["loss_n"]), ref_ce, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(m["top1_n"]), ref_top1, atol=1e-6)
+  hard, _ = losses.distill_loss(drafter_of, params, jnp.asarray(hidden), jnp.asarray(emb),
+                                jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg),
+                                num_steps=n, chunk=4,
+                                vocab_ids_K=None if ids is None else jnp.asarray(ids))
+  assert abs(float(hard) - float(loss)) > 1e-3  # a different loss, not the hard one renamed
 
 
 def test_masked_positions_do_not_change_the_loss():

@@ -97,6 +97,94 @@ def test_vocab_limit_trains_on_the_most_frequent_tokens(synthetic, tmp_path):
   assert sorted(nonzero.tolist()) == sorted(top16.tolist())
 
 
+@pytest.mark.parametrize("exit_dim", [128, 96, 32])  # 2D (no input_proj), C >= D, C < D
+def test_head_init_from_llm_reproduces_the_llm_logits(exit_dim):
+  import jax.numpy as jnp
+
+  from redrafter_jax.config import DrafterConfig
+  from redrafter_jax.distill import load_teacher
+  from redrafter_jax.models.drafter import init_drafter, init_head_from_llm
+
+  llm, llm_cfg = load_teacher("random:tiny")
+  D = llm_cfg.hidden_size
+  drafter = init_drafter(DrafterConfig(vocab_size=VOCAB, hidden_size=D, exit_dim=exit_dim))
+  out_VD = np.asarray(llm.output_matrix())
+  init_head_from_llm(drafter, out_VD)
+  h_xD = np.random.default_rng(0).standard_normal((5, D)).astype(np.float32)
+  got = np.asarray(drafter.logits(jnp.asarray(h_xD), jnp.zeros((5, D))))
+  if exit_dim >= D:  # full rank: the LLM's own logits while the drafter state is zero
+    np.testing.assert_allclose(got, np.asarray(llm.logits(jnp.asarray(h_xD))), atol=1e-4)
+  else:  # the best rank-C approximation of the LLM's logits
+    _, _, vt = np.linalg.svd(out_VD, full_matrices=False)
+    want = h_xD @ vt[:exit_dim].T @ vt[:exit_dim] @ out_VD.T
+    np.testing.assert_allclose(got, want, atol=1e-4)
+  if exit_dim != 2 * D:  # the state's half of input_proj keeps its random init
+    moved = np.asarray(drafter.logits(jnp.asarray(h_xD), jnp.ones((5, D))))
+    assert np.abs(moved - got).max() > 1e-3
+  with pytest.raises(ValueError, match="output projection has shape"):
+    init_head_from_llm(drafter, out_VD[:, :-1])
+
+
+def test_head_init_llm_trains_and_starts_from_the_llm(synthetic, tmp_path):
+  result = trainer.train(preset(synthetic, tmp_path / "run", num_steps=4, head_init="llm",
+                                learning_rate=0.0),
+                         progress=False, export=False)
+  # With a zero learning rate the head stays the LLM's output projection (tied embeddings).
+  from redrafter_jax.distill import load_teacher
+  llm, _ = load_teacher("random:tiny")
+  kernel = trainer.flat_dict(result.params)["lm_head.1.kernel"]  # [C, V] with C = 32 < D
+  out_VD = np.asarray(llm.output_matrix())
+  _, _, vt = np.linalg.svd(out_VD, full_matrices=False)
+  np.testing.assert_allclose(kernel, (out_VD @ vt[:32].T).T, atol=1e-4)
+  with pytest.raises(ConfigError, match="head_init"):
+    preset(synthetic, tmp_path / "x", head_init="medusa")
+
+
+def test_soft_targets_train_end_to_end(synthetic, tmp_path):
+  result = trainer.train(preset(synthetic, tmp_path / "run", num_steps=20, learning_rate=0.01,
+                                soft_targets=True, head_init="llm"),
+                         progress=False, export=False)
+  losses = [r["loss"] for r in result.history]
+  assert len(losses) == 20 and all(np.isfinite(losses))
+  assert np.mean(losses[-5:]) < np.mean(losses[:5]), losses
+  with pytest.raises(ConfigError, match="soft_targets"):
+    preset(synthetic, tmp_path / "x", soft_targets="yes")
+
+
+def test_held_out_shards_are_evaluated_and_not_trained_on(synthetic, tmp_path):
+  out = tmp_path / "run"
+  result = trainer.train(preset(synthetic, out, num_steps=6, eval_shards=1, eval_every=3,
+                                eval_batches=2, learning_rate=0.0),
+                         progress=False, export=False)
+  rows = result.eval_history
+  assert [r["step"] for r in rows] == [3, 6]
+  assert rows[0]["targets"] > 0 and np.isfinite(rows[0]["loss"])
+  # Same held-out batches every time: with a zero learning rate the scores repeat exactly.
+  assert rows[0] == dict(rows[1], step=3)
+  assert [int(r["step"]) for r in csv.DictReader(open(out / "eval.csv"))] == [3, 6]
+  # The ranking (and so the training data) comes from the first shard only.
+  first = data.token_counts(synthetic, VOCAB, holdout=1)
+  assert first.sum() < data.token_counts(synthetic, VOCAB).sum()
+  # With a learning rate the held-out scores move.
+  moved = trainer.train(preset(synthetic, tmp_path / "lr", num_steps=6, eval_shards=1,
+                               eval_every=3, eval_batches=2, learning_rate=0.01),
+                        progress=False, export=False).eval_history
+  assert moved[1]["loss"] != moved[0]["loss"]
+  with pytest.raises(data.DataError, match="cannot hold out 2 of its 2"):
+    trainer.train(preset(synthetic, tmp_path / "bad", num_steps=2, eval_shards=2),
+                  progress=False, export=False)
+
+
+def test_checkpoints_from_before_a_new_setting_resume_under_its_default(synthetic, tmp_path):
+  current = trainer.preset_dict(preset(synthetic, tmp_path))
+  saved = {**current, "train": {k: v for k, v in current["train"].items()
+                                if k not in ("soft_targets", "head_init", "eval_shards")}}
+  trainer.check_resumable(saved, current, tmp_path)  # the defaults: nothing changed
+  changed = trainer.preset_dict(preset(synthetic, tmp_path, soft_targets=True))
+  with pytest.raises(ConfigError, match="train.soft_targets: checkpoint False, config True"):
+    trainer.check_resumable(saved, changed, tmp_path)
+
+
 def test_resume_after_crash_equals_uninterrupted_run(synthetic, tmp_path):
   kw = dict(num_steps=10, checkpoint_every=4)
   full = trainer.train(preset(synthetic, tmp_path / "full", **kw), progress=False, export=False)

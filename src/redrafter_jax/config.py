@@ -292,6 +292,17 @@ class TrainConfig:
   pack: bool = True  # pack several sequences per row (else pad each row to seq_len)
   loss_chunk: int = 64  # positions per chunk of drafter logits (bounds [B, chunk, n, V] memory)
   init_drafter: str | None = None  # start from this drafter folder (any drafter_io format)
+  # How a fresh drafter's head starts: "random" (the reference) or "llm" (from the LLM's output
+  # projection, like Medusa; see models.drafter.init_head_from_llm). Ignored with init_drafter.
+  head_init: str = "random"
+  # Cross-entropy against the LLM's next-token distribution instead of the data token
+  # (knowledge distillation; see losses.py). False is the reference loss.
+  soft_targets: bool = False
+  # Held-out evaluation: the last eval_shards shards of train.data are not trained on; every
+  # eval_every steps (0: only at the end) eval_batches batches of them are scored (eval.csv).
+  eval_shards: int = 0
+  eval_every: int = 0
+  eval_batches: int = 8
   # Train the head on the K most frequent response tokens only (0: all V); decode with
   # ``restrict_vocab(drafter, K)`` to match. Cuts the dominant [C, V] cost of a step by V/K.
   vocab_limit: int = 0
@@ -301,8 +312,15 @@ class TrainConfig:
                  "log_every", "loss_chunk"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ConfigError(f"train.{name} must be an integer >= 1, got {getattr(self, name)!r}")
-    if not isinstance(self.vocab_limit, int) or self.vocab_limit < 0:
-      raise ConfigError(f"train.vocab_limit must be an integer >= 0, got {self.vocab_limit!r}")
+    for name in ("vocab_limit", "eval_shards", "eval_every"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+        raise ConfigError(f"train.{name} must be an integer >= 0, got {getattr(self, name)!r}")
+    if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
+      raise ConfigError(f"train.eval_batches must be an integer >= 1, got {self.eval_batches!r}")
+    if not isinstance(self.soft_targets, bool):
+      raise ConfigError(f"train.soft_targets must be true or false, got {self.soft_targets!r}")
+    if self.head_init not in ("random", "llm"):
+      raise ConfigError(f"train.head_init must be 'random' or 'llm', got {self.head_init!r}")
     if not 0.0 <= self.warmup_fraction <= 1.0:
       raise ConfigError(f"train.warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
 

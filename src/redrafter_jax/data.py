@@ -85,13 +85,27 @@ def read_manifest(folder: str | pathlib.Path) -> dict[str, Any]:
     raise DataError(f"{path}: invalid JSON ({e})") from e
 
 
-def shard_paths(folder: str | pathlib.Path) -> list[pathlib.Path]:
-  """The completed shards listed in the manifest, in order; every one must exist."""
+def shard_paths(folder: str | pathlib.Path, *, holdout: int = 0,
+                part: str = "train") -> list[pathlib.Path]:
+  """The completed shards listed in the manifest, in order; every one must exist.
+
+  ``holdout`` K > 0 sets the last K shards aside for evaluation: ``part="train"`` returns the
+  others, ``part="eval"`` those K (distill-data shuffles prompts across shards, so they are a
+  uniform sample)."""
   folder = pathlib.Path(folder)
   manifest = read_manifest(folder)
   names = sorted(manifest.get("shards", {}))
   if not names:
     raise DataError(f"{folder}: the manifest lists no completed shards")
+  if part not in ("train", "eval"):
+    raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
+  if holdout:
+    if not 0 < holdout < len(names):
+      raise DataError(f"{folder}: cannot hold out {holdout} of its {len(names)} completed "
+                      "shard(s) for evaluation (at least one must remain for training)")
+    names = names[:-holdout] if part == "train" else names[-holdout:]
+  elif part == "eval":
+    raise DataError(f"{folder}: no shards are held out for evaluation (holdout=0)")
   paths = [folder / name for name in names]
   missing = [p.name for p in paths if not p.is_file()]
   if missing:
@@ -99,18 +113,19 @@ def shard_paths(folder: str | pathlib.Path) -> list[pathlib.Path]:
   return paths
 
 
-def read_records(folder: str | pathlib.Path) -> list[dict[str, Any]]:
-  """Every record of a data folder, decoded, in shard order (for tests and inspection)."""
+def read_records(folder: str | pathlib.Path, **split) -> list[dict[str, Any]]:
+  """Every record of a data folder (or of its ``split``, see ``shard_paths``), decoded, in shard
+  order (for tests and inspection)."""
   from grain.sources import ArrayRecordDataSource
 
-  source = ArrayRecordDataSource([str(p) for p in shard_paths(folder)])
+  source = ArrayRecordDataSource([str(p) for p in shard_paths(folder, **split)])
   return [decode_record(source[i]) for i in range(len(source))]
 
 
-def token_counts(folder: str | pathlib.Path, vocab_size: int) -> np.ndarray:
+def token_counts(folder: str | pathlib.Path, vocab_size: int, **split) -> np.ndarray:
   """How often each token id occurs as a response token (``[vocab_size]`` int64)."""
   counts = np.zeros((vocab_size,), np.int64)
-  for rec in read_records(folder):
+  for rec in read_records(folder, **split):
     ids = rec["tokens"][rec["mask"] > 0]
     np.add.at(counts, ids[ids < vocab_size], 1)
   return counts
@@ -161,18 +176,20 @@ def _rows(batch: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, n
 
 def make_dataset(folder: str | pathlib.Path, *, seq_len: int, global_batch: int, seed: int,
                  pack: bool = True, rows: tuple[int, int] | None = None,
-                 vocab_size: int | None = None, packing_bins: int | None = None
-                 ) -> grain.IterDataset:
+                 vocab_size: int | None = None, packing_bins: int | None = None,
+                 holdout: int = 0, part: str = "train") -> grain.IterDataset:
   """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
 
   ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
+  ``holdout`` / ``part`` pick the shards (``shard_paths``).
   """
   start, stop = rows if rows is not None else (0, global_batch)
   if not 0 <= start < stop <= global_batch:
     raise DataError(f"rows {rows} are not a slice of the global batch of {global_batch}")
   from grain.sources import ArrayRecordDataSource
 
-  source = ArrayRecordDataSource([str(p) for p in shard_paths(folder)])
+  paths = shard_paths(folder, holdout=holdout, part=part)
+  source = ArrayRecordDataSource([str(p) for p in paths])
   if len(source) == 0:
     raise DataError(f"{folder}: the shards hold no records")
   # repeat() after shuffle() reseeds the shuffle every epoch (grain's documented behaviour).

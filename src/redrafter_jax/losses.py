@@ -8,6 +8,13 @@ reaches across a packing boundary). The loss is the sum over steps of the mean c
 that step's counted targets; the means are over the whole global batch, so the loss is the same
 however the batch is split over devices or processes.
 
+Soft targets (``teacher_out_VD``, an option beyond the reference): the cross-entropy is taken
+against the LLM's whole next-token distribution at the target's position (softmax of its logits
+from ``h_{t+i+1}``, over the drafter's vocabulary) instead of the one token in the data. Same
+positions, same weights; on greedy teacher data its argmax is the data token. It tells the
+drafter how sure the LLM is and what its runners-up are, which is more signal per position
+(knowledge distillation; Medusa-2 and DistillSpec train draft models this way).
+
 Memory: logits ``[B, T, n, V]`` at V=49152 would be GBs. The positions are cut into chunks of
 ``chunk`` and a ``lax.scan`` over chunks computes each chunk's logits inside ``jax.checkpoint``,
 so only one chunk's ``[B, chunk, n, V]`` logits (and their gradient) are alive at a time; the
@@ -55,16 +62,22 @@ def frozen_hidden(llm, tokens_BT, positions_BT, segment_ids_BT) -> jax.Array:
   return jax.lax.stop_gradient(hidden_BTD)
 
 
-def _chunk_sums(drafter, h_BPD, prev_emb_BPnD, targets_BPn, weights_BPn):
+def _chunk_sums(drafter, soft, h_BPD, prev_emb_BPnD, targets_BPn, weights_BPn, ce_weights_BPn,
+                teacher_p_BPnV):
   """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits (each ``[n]``).
 
   ``targets`` index the drafter's output rows; ``weights`` are 0 for targets that do not count
-  (or that its vocabulary cannot produce)."""
+  (or that its vocabulary cannot produce). With ``soft`` the cross-entropy is against the LLM's
+  distributions ``teacher_p`` over the same rows, weighted by ``ce_weights``."""
   logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD)
   logz_BPn = jax.nn.logsumexp(logits_BPnV, axis=-1)
   target_logit_BPn = jnp.take_along_axis(logits_BPnV, targets_BPn[..., None], axis=-1)[..., 0]
   rank_BPn = jnp.sum(logits_BPnV > target_logit_BPn[..., None], axis=-1)
-  ce_n = jnp.sum((logz_BPn - target_logit_BPn) * weights_BPn, axis=(0, 1))
+  if soft:
+    soft_logit_BPn = jnp.sum(teacher_p_BPnV * logits_BPnV, axis=-1)
+    ce_n = jnp.sum((logz_BPn - soft_logit_BPn) * ce_weights_BPn, axis=(0, 1))
+  else:
+    ce_n = jnp.sum((logz_BPn - target_logit_BPn) * weights_BPn, axis=(0, 1))
   top1_n = jnp.sum((rank_BPn < 1) * weights_BPn, axis=(0, 1))
   top5_n = jnp.sum((rank_BPn < 5) * weights_BPn, axis=(0, 1))
   return ce_n, top1_n, top5_n
@@ -81,7 +94,7 @@ def restricted_targets(targets_BTn, vocab_ids_K, vocab_size: int):
 def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BTD: jax.Array,
                  embedding_VD: jax.Array, tokens_BT: jax.Array, loss_mask_BT: jax.Array,
                  segment_ids_BT: jax.Array, *, num_steps: int, chunk: int = 64,
-                 vocab_ids_K: jax.Array | None = None):
+                 vocab_ids_K: jax.Array | None = None, teacher_out_VD: jax.Array | None = None):
   """``(loss, metrics)`` for a batch; differentiable in ``drafter_params`` only.
 
   ``drafter_of(params)`` builds the drafter from its parameters (e.g. ``nnx.merge`` with the
@@ -94,6 +107,11 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   ``vocab_ids_K``: the drafter scores only these tokens (``restrict_vocab``; output row k is
   token ``vocab_ids_K[k]``). Cross-entropy is then over the K tokens and averages over the
   targets among them; accuracies still count every target (one outside the K is a miss).
+
+  ``teacher_out_VD``: the LLM's output projection ``[V, D]``; given, the cross-entropy is
+  against the LLM's distribution (soft targets, see the module docstring; over the K tokens
+  when ``vocab_ids_K`` is given) and averages over every counted target. Accuracies are
+  unchanged (against the data tokens).
   """
   n = num_steps
   B, T, D = hidden_BTD.shape
@@ -104,7 +122,20 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   # Step i+1 (0-based i) consumes the embedding of token t+1+i.
   prev_emb_BTnD = jnp.take(embedding_VD, future_window(tokens_BT, 1, n), axis=0)
   weights_BTn = counts_BTn.astype(jnp.float32)
+  ce_weights_BTn = weights_BTn
   count_n = jnp.sum(weights_BTn, axis=(0, 1))
+  soft = teacher_out_VD is not None
+  teacher_p_BTnV = jnp.zeros((B, T, n, 0), jnp.float32)
+  if soft:
+    out_VD = jax.lax.stop_gradient(teacher_out_VD)
+    if vocab_ids_K is not None:
+      out_VD = jnp.take(out_VD, vocab_ids_K, axis=0)
+    # The LLM's distribution at each position, once ([B, T, V]: one matmul, not n), then step
+    # i+1's (token t+i+2) is the one predicted from the hidden state at t+i+1. The window holds
+    # [B, T, n, V] floats (400 MB at B=8, T=384, n=4, V=8192).
+    teacher_p_BTV = jax.nn.softmax(
+        jnp.einsum("btd,vd->btv", hidden_BTD, out_VD, preferred_element_type=jnp.float32), -1)
+    teacher_p_BTnV = future_window(teacher_p_BTV, 1, n)
   if vocab_ids_K is not None:
     targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_K,
                                                    embedding_VD.shape[0])
@@ -119,17 +150,18 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
 
   @jax.checkpoint
   def chunk_sums(params, xs):
-    return _chunk_sums(drafter_of(params), *xs)
+    return _chunk_sums(drafter_of(params), soft, *xs)
 
   def body(carry, xs):
     return jax.tree.map(jnp.add, carry, chunk_sums(drafter_params, xs)), None
 
   zeros_n = jnp.zeros((n,), jnp.float32)
-  xs = tuple(chunked(x) for x in (hidden_BTD, prev_emb_BTnD, targets_BTn, weights_BTn))
+  xs = tuple(chunked(x) for x in (hidden_BTD, prev_emb_BTnD, targets_BTn, weights_BTn,
+                                  ce_weights_BTn, teacher_p_BTnV))
   (ce_n, top1_n, top5_n), _ = jax.lax.scan(body, (zeros_n, zeros_n, zeros_n), xs)
   scored_n = jnp.sum(weights_BTn, axis=(0, 1))
   denom_n = jnp.maximum(count_n, 1.0)
-  loss_n = ce_n / jnp.maximum(scored_n, 1.0)
+  loss_n = ce_n / (denom_n if soft else jnp.maximum(scored_n, 1.0))
   metrics = dict(loss_n=loss_n, top1_n=top1_n / denom_n, top5_n=top5_n / denom_n,
                  count_n=count_n, coverage_n=scored_n / denom_n)
   return jnp.sum(loss_n), metrics

@@ -37,14 +37,16 @@ from redrafter_jax import sharding as sh
 from redrafter_jax.checkpoint import Checkpointer, abstract_like
 from redrafter_jax.config import ConfigError, DrafterConfig, Preset
 from redrafter_jax.distill import load_teacher
-from redrafter_jax.models.drafter import Drafter, TokenRanking, restrict_vocab
+from redrafter_jax.models.drafter import (Drafter, TokenRanking, init_head_from_llm,
+                                          restrict_vocab)
 
 log = logging.getLogger(__name__)
 
 # Settings that may change between a run and its resumption (they do not change the math).
 RESUMABLE_CHANGES = ("train.output_dir", "train.data", "train.log_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.mesh_data", "train.mesh_model",
-                     "train.loss_chunk", "decode", "drafter_path")
+                     "train.loss_chunk", "train.eval_every", "train.eval_batches", "decode",
+                     "drafter_path")
 
 
 @struct.dataclass
@@ -64,6 +66,7 @@ class TrainResult:
   start_step: int
   params: Any  # host copy of the drafter parameters after the last step
   drafter_dir: pathlib.Path | None
+  eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # held-out rows
 
 
 def make_schedule(cfg) -> optax.Schedule:
@@ -80,24 +83,50 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
   return adamw
 
 
-def _train_step(llm_graphdef, drafter_of, vocab_ids_K, tx, schedule, num_steps, chunk,
-                llm_state, state: TrainState, batch):
+def _batch_loss(llm_graphdef, drafter_of, vocab_ids_K, num_steps, chunk, soft_targets, llm_state,
+                batch):
+  """``params -> (loss, metrics)`` on ``batch``, the frozen LLM's part computed once."""
   llm = nnx.merge(llm_graphdef, llm_state)
   tokens_BT, segments_BT = batch["tokens"], batch["segment_ids"]
   hidden_BTD = losses.frozen_hidden(llm, tokens_BT, batch["positions"], segments_BT)
   embedding_VD = llm.embed_tokens.embedding[...]
+  teacher_out_VD = llm.output_matrix() if soft_targets else None
 
   def loss_fn(params):
     return losses.distill_loss(drafter_of, params, hidden_BTD, embedding_VD, tokens_BT,
                                batch["loss_mask"], segments_BT, num_steps=num_steps, chunk=chunk,
-                               vocab_ids_K=vocab_ids_K)
+                               vocab_ids_K=vocab_ids_K, teacher_out_VD=teacher_out_VD)
 
+  return loss_fn
+
+
+def _train_step(loss_spec, tx, schedule, llm_state, state: TrainState, batch):
+  loss_fn = _batch_loss(*loss_spec, llm_state, batch)
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step),
-                 tokens=jnp.sum(segments_BT > 0))
+                 tokens=jnp.sum(batch["segment_ids"] > 0))
   return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def _eval_step(loss_spec, llm_state, params, batch):
+  """The loss and metrics of one held-out batch (no update)."""
+  loss, metrics = _batch_loss(*loss_spec, llm_state, batch)(params)
+  return dict(metrics, loss=loss)
+
+
+def _eval_row(step: int, batch_metrics) -> dict[str, Any]:
+  """One held-out row: per-step metrics averaged over the batches, weighted by their targets."""
+  ms = [{k: np.asarray(sh.local_value(v)) for k, v in m.items()} for m in batch_metrics]
+  count_n = sum(m["count_n"] for m in ms)
+  row = {"step": step, "targets": int(count_n[0])}
+  for name in ("loss_n", "top1_n", "top5_n", "coverage_n"):
+    mean_n = sum(m[name] * m["count_n"] for m in ms) / np.maximum(count_n, 1)
+    for i, v in enumerate(mean_n.tolist()):
+      row[f"{name[:-2]}_{i + 1}"] = float(v)
+  row["loss"] = float(sum(row[f"loss_{i + 1}"] for i in range(len(count_n))))
+  return row
 
 
 def preset_dict(preset: Preset) -> dict[str, Any]:
@@ -118,6 +147,8 @@ def _flat(d, prefix=""):
 def check_resumable(saved: dict[str, Any], current: dict[str, Any], where) -> None:
   """Refuse to resume a checkpoint written under settings that change the run."""
   a, b = _flat(saved), _flat(current)
+  # A setting added after the checkpoint was written counts as its default there.
+  a = {**_flat(preset_dict(Preset())), **a}
   ignored = lambda k: any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)
   diff = sorted(k for k in set(a) | set(b) if not ignored(k) and a.get(k) != b.get(k))
   if diff:
@@ -145,29 +176,36 @@ def build_drafter(preset: Preset, llm_cfg) -> Drafter:
 
 
 def _frozen_llm(preset: Preset, mesh, manifest):
-  """The LLM's graph, its state placed on ``mesh`` (tensor-parallel rules), and its config."""
+  """The LLM's graph, its state placed on ``mesh`` (tensor-parallel rules), its config and its
+  output projection ``[V, D]`` on the host (only when ``train.head_init`` is "llm")."""
   llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype)
+  out_VD = None
+  if preset.train.head_init == "llm" and not preset.train.init_drafter:
+    out_VD = np.asarray(llm.output_matrix(), np.float32)
   data_vocab = manifest.get("settings", {}).get("vocab_size")
   if data_vocab is not None and data_vocab != llm_cfg.vocab_size:
     raise ConfigError(f"data in {preset.train.data} was made by a model with vocab_size "
                       f"{data_vocab}, but {preset.model!r} has vocab_size {llm_cfg.vocab_size}")
   graphdef, state = nnx.split(llm)
   shardings = sh.state_shardings(state, mesh)
-  return graphdef, sh.place(state, shardings), shardings, llm_cfg
+  return graphdef, sh.place(state, shardings), shardings, llm_cfg, out_VD
 
 
-def _trainable_drafter(preset: Preset, llm_cfg):
+def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
   """``(merge, drafter_of, params, vocab_ids_K)``: params (pure dict) -> full drafter, -> the
   drafter the loss trains (vocabulary-restricted with ``vocab_limit``), initial params."""
   cfg = preset.train
   drafter = build_drafter(preset, llm_cfg)
   # The response-token ranking goes out with the drafter (``restrict_vocab`` reads it) and,
   # with ``vocab_limit``, picks the tokens the head trains on.
-  counts = data_lib.token_counts(cfg.data, llm_cfg.vocab_size)
+  counts = data_lib.token_counts(cfg.data, llm_cfg.vocab_size, holdout=cfg.eval_shards)
   drafter.token_ranking = TokenRanking(jnp.asarray(np.argsort(-counts, kind="stable"), jnp.int32))
   vocab_ids_K = None
   if 0 < cfg.vocab_limit < llm_cfg.vocab_size:
     vocab_ids_K = drafter.token_ranking[...][:cfg.vocab_limit]
+  if out_VD is not None:
+    init_head_from_llm(drafter, out_VD, vocab_ids_K)
+  if vocab_ids_K is not None:
     log.info("the head trains on the %d most frequent tokens: %.2f%% of response tokens",
              cfg.vocab_limit, 100 * counts[np.asarray(vocab_ids_K)].sum() / max(counts.sum(), 1))
     # Rows of tokens that never train get logit 0 rather than a random one, so a drafter
@@ -221,16 +259,17 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   manifest = data_lib.read_manifest(cfg.data)  # fail on a bad data folder before loading models
   mesh = sh.make_mesh(cfg.mesh_data, cfg.mesh_model)
   rows = sh.process_rows(mesh, cfg.batch_size)
-  llm_graphdef, llm_state, llm_shardings, llm_cfg = _frozen_llm(preset, mesh, manifest)
-  merge, drafter_of, params, vocab_ids_K = _trainable_drafter(preset, llm_cfg)
+  llm_graphdef, llm_state, llm_shardings, llm_cfg, out_VD = _frozen_llm(preset, mesh, manifest)
+  merge, drafter_of, params, vocab_ids_K = _trainable_drafter(preset, llm_cfg, out_VD)
   tx, schedule = make_optimizer(cfg), make_schedule(cfg)
   repl = sh.replicated(mesh)
   state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
                   out_shardings=repl)(sh.place(params, jax.tree.map(lambda _: repl, params)))
   state_shardings = jax.tree.map(lambda _: repl, state)
-  iterator = data_lib.make_iterator(
-      cfg.data, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, pack=cfg.pack,
-      rows=rows, vocab_size=llm_cfg.vocab_size)
+  data_kwargs = dict(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed,
+                     pack=cfg.pack, rows=rows, vocab_size=llm_cfg.vocab_size,
+                     holdout=cfg.eval_shards)
+  iterator = data_lib.make_iterator(cfg.data, **data_kwargs)
 
   ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
   config = preset_dict(preset)
@@ -241,14 +280,29 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     state = TrainState(**ckpt.restore(start, abstract, iterator))
     log.info("resuming at step %d of %d", start, cfg.num_steps)
 
+  loss_spec = (llm_graphdef, drafter_of, vocab_ids_K, cfg.num_draft_steps, cfg.loss_chunk,
+               cfg.soft_targets)
   step_fn = jax.jit(
-      functools.partial(_train_step, llm_graphdef, drafter_of, vocab_ids_K, tx, schedule,
-                        cfg.num_draft_steps, cfg.loss_chunk),
+      functools.partial(_train_step, loss_spec, tx, schedule),
       in_shardings=(llm_shardings, state_shardings, sh.batch_sharding(mesh)),
       out_shardings=(state_shardings, repl), donate_argnums=(1,))
 
+  evaluate = None
+  if cfg.eval_shards:
+    eval_fn = jax.jit(functools.partial(_eval_step, loss_spec), out_shardings=repl)
+
+    def evaluate(step, params):
+      # The same eval_batches batches every time: a fresh iterator over the held-out shards.
+      it = data_lib.make_iterator(cfg.data, **dict(data_kwargs, part="eval"))
+      return _eval_row(step, [eval_fn(llm_state, params,
+                                      sh.shard_batch(next(it), mesh, cfg.batch_size))
+                              for _ in range(cfg.eval_batches)])
+
   is_main = jax.process_index() == 0
   metrics_log = MetricsLog(out_dir, start_step=start, enabled=is_main)
+  eval_log = MetricsLog(out_dir, start_step=start, enabled=is_main and evaluate is not None,
+                        name="eval")
+  eval_history = []
   end = cfg.num_steps if stop_after is None else min(cfg.num_steps, start + stop_after)
   bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
              disable=not (progress and is_main))
@@ -270,6 +324,13 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
       bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_1']:.3f}",
                       tok_s=f"{last['tokens_per_s'] or 0:.0f}")
     bar.update(1)
+    if evaluate is not None and (step == cfg.num_steps
+                                 or (cfg.eval_every and step % cfg.eval_every == 0)):
+      row = evaluate(step, state.params)
+      eval_log.write(row)
+      eval_history.append(row)
+      log.info("step %d held-out: loss %.3f, top-1 %s", step, row["loss"],
+               " ".join(f"{row[f'top1_{i + 1}']:.3f}" for i in range(cfg.num_draft_steps)))
     if step % cfg.checkpoint_every == 0 and step < cfg.num_steps:
       ckpt.save(step, state.as_dict(), iterator, config)
   bar.close()
@@ -280,7 +341,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     ckpt.save(end, state.as_dict(), iterator, config)
   if end == cfg.num_steps and end > start:
     if is_main:
-      metrics_log.plot()
+      metrics_log.plot(eval_log.rows)
       if export:
         from redrafter_jax.weights.drafter_io import save_drafter
 
@@ -288,8 +349,9 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
                                    out_dir / "drafter", format="reference", overwrite=True)
   ckpt.close()
   metrics_log.close()
+  eval_log.close()
   return TrainResult(history=history, last_step=end, start_step=start, params=host_params,
-                     drafter_dir=drafter_dir)
+                     drafter_dir=drafter_dir, eval_history=eval_history)
 
 
 def _host_metrics(step: int, metrics) -> dict[str, Any]:
@@ -310,15 +372,18 @@ def flat_dict(tree) -> dict[str, np.ndarray]:
 
 
 class MetricsLog:
-  """Per-step metrics to ``metrics.csv`` and TensorBoard (``tb/``); ``plot()`` draws the curves.
+  """Per-step metrics to ``{name}.csv`` (``metrics.csv``; ``eval.csv`` for held-out rows) and
+  TensorBoard (``tb/``, tags ``train/...`` or ``eval/...``); ``plot()`` draws the curves.
 
   On resumption the rows after the resumed step (written before a crash) are dropped, so the
   files describe one consistent run.
   """
 
-  def __init__(self, out_dir: pathlib.Path, *, start_step: int, enabled: bool = True):
+  def __init__(self, out_dir: pathlib.Path, *, start_step: int, enabled: bool = True,
+               name: str = "metrics"):
     self.enabled = enabled
-    self.path = out_dir / "metrics.csv"
+    self.path = out_dir / f"{name}.csv"
+    self.tag = "train" if name == "metrics" else name
     self.rows: list[dict[str, Any]] = []
     self._tb = None
     if not enabled:
@@ -346,10 +411,11 @@ class MetricsLog:
     if self._tb is not None:
       for k, v in row.items():
         if k != "step" and v is not None:
-          self._tb.add_scalar(f"train/{k}", float(v), int(row["step"]))
+          self._tb.add_scalar(f"{self.tag}/{k}", float(v), int(row["step"]))
 
-  def plot(self) -> pathlib.Path | None:
-    """``curves.png``: loss and per-step top-1 accuracy against the step."""
+  def plot(self, eval_rows=()) -> pathlib.Path | None:
+    """``curves.png``: loss and per-step top-1 accuracy against the step (and held-out
+    ``eval_rows`` as markers)."""
     if not self.enabled or not self.rows:
       return None
     import matplotlib
@@ -360,11 +426,18 @@ class MetricsLog:
     steps = [int(r["step"]) for r in self.rows]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(steps, [float(r["loss"]) for r in self.rows], label="loss (sum over steps)")
+    eval_steps = [int(r["step"]) for r in eval_rows]
+    if eval_rows:
+      ax_loss.plot(eval_steps, [float(r["loss"]) for r in eval_rows], "o", label="held-out")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("cross-entropy")
     ax_loss.legend()
     for k in sorted(k for k in self.rows[0] if k.startswith("top1_")):
-      ax_acc.plot(steps, [float(r[k]) for r in self.rows], label=f"top-1, draft step {k[5:]}")
+      line, = ax_acc.plot(steps, [float(r[k]) for r in self.rows],
+                          label=f"top-1, draft step {k[5:]}")
+      if eval_rows:
+        ax_acc.plot(eval_steps, [float(r[k]) for r in eval_rows], "o", color=line.get_color(),
+                    label=f"held-out, step {k[5:]}")
     ax_acc.set_xlabel("step")
     ax_acc.set_ylabel("accuracy")
     ax_acc.legend()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from redrafter_jax.config import DrafterConfig
@@ -126,6 +127,41 @@ def restrict_vocab(drafter: Drafter, size: int) -> Drafter:
   head.kernel = nnx.Param(jnp.take(head.kernel[...], ids_K, axis=1))
   out.vocab_ids = nnx.Variable(ids_K)
   return out
+
+
+def init_head_from_llm(drafter: Drafter, out_VD, vocab_ids_K=None) -> None:
+  """Start ``drafter``'s head from the LLM's own output projection ``out_VD`` (in place).
+
+  Like Medusa's heads, a fresh drafter then scores tokens with the LLM's vocabulary geometry
+  (at step 1 it reproduces the LLM's rank-C logits ``out_VD @ h``) instead of a random matrix,
+  which matters when the distillation data is small. With ``input_proj`` (C != 2D) the h half
+  of ``input_proj`` projects onto the top-C right singular vectors ``U_DC`` of ``out_VD``
+  (restricted to the rows ``vocab_ids_K`` when given) and the head is ``(out_VD @ U_DC)^T``;
+  the state half keeps its random init. Without ``input_proj`` the head's h rows are
+  ``out_VD^T`` and its state rows start at zero. ResBlocks are zero-initialised (identity).
+  """
+  cfg = drafter.config
+  D, C = cfg.hidden_size, cfg.exit_dim
+  out_VD = np.asarray(out_VD, np.float32)
+  if out_VD.shape != (cfg.vocab_size, D):
+    raise ValueError(f"LLM output projection has shape {out_VD.shape}, the drafter needs "
+                     f"{(cfg.vocab_size, D)}")
+  head = drafter.lm_head[-1]
+  dtype = head.kernel[...].dtype
+  if cfg.has_input_proj:
+    rows_KD = out_VD if vocab_ids_K is None else out_VD[np.asarray(vocab_ids_K)]
+    _, _, vt_DD = np.linalg.svd(rows_KD, full_matrices=False)
+    u_DC = np.zeros((D, C), np.float32)
+    k = min(C, vt_DD.shape[0])
+    u_DC[:, :k] = vt_DD[:k].T
+    kernel = np.array(drafter.input_proj.kernel[...], np.float32)
+    kernel[:D] = u_DC
+    drafter.input_proj.kernel.set_value(jnp.asarray(kernel, dtype))
+    drafter.input_proj.bias.set_value(jnp.zeros_like(drafter.input_proj.bias[...]))
+    head.kernel.set_value(jnp.asarray((out_VD @ u_DC).T, dtype))
+  else:
+    head.kernel.set_value(jnp.asarray(
+        np.concatenate([out_VD.T, np.zeros((D, cfg.vocab_size), np.float32)]), dtype))
 
 
 def reference_top_k_cut(logits_xV: jax.Array, k: int) -> jax.Array:

@@ -160,6 +160,12 @@ class Llama(nnx.Module):
       out = self.lm_head(hidden_xD)
     return out.astype(jnp.float32)
 
+  def output_matrix(self) -> jax.Array:
+    """The output projection as ``[V, D]`` (the embedding table when they are tied)."""
+    if self.config.tie_word_embeddings:
+      return self.embed_tokens.embedding[...]
+    return self.lm_head.kernel[...].T
+
   def __call__(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None):
     hidden_BTD, cache = self.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
     return self.logits(hidden_BTD), hidden_BTD, cache

@@ -198,37 +198,40 @@ def merge_usage(usages: list[dict]) -> dict:
   return out
 
 
+def _envelope(rid: str, obj: str, created: int, model: str, choices: list, **extra) -> dict:
+  """The fields every OpenAI completion object and stream chunk shares."""
+  return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+          **extra}
+
+
 def completion(rid: str, created: int, model: str, choices: list[tuple[str, str]],
                usage: dict) -> dict:
-  return {"id": rid, "object": "text_completion", "created": created, "model": model,
-          "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                      for i, (text, reason) in enumerate(choices)],
-          "usage": usage}
+  return _envelope(rid, "text_completion", created, model,
+                   [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                    for i, (text, reason) in enumerate(choices)], usage=usage)
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      finish_reason: str | None) -> dict:
-  return {"id": rid, "object": "text_completion", "created": created, "model": model,
-          "choices": [{"index": index, "text": text, "logprobs": None,
-                       "finish_reason": finish_reason}]}
+  return _envelope(rid, "text_completion", created, model,
+                   [{"index": index, "text": text, "logprobs": None,
+                     "finish_reason": finish_reason}])
 
 
 def chat_completion(rid: str, created: int, model: str, choices: list[tuple[str, str]],
                     usage: dict) -> dict:
-  return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-          "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                       "logprobs": None, "finish_reason": reason}
-                      for i, (text, reason) in enumerate(choices)],
-          "usage": usage}
+  return _envelope(rid, "chat.completion", created, model,
+                   [{"index": i, "message": {"role": "assistant", "content": text},
+                     "logprobs": None, "finish_reason": reason}
+                    for i, (text, reason) in enumerate(choices)], usage=usage)
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
                finish_reason: str | None) -> dict:
-  return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-          "choices": [{"index": index, "delta": delta, "logprobs": None,
-                       "finish_reason": finish_reason}]}
+  return _envelope(rid, "chat.completion.chunk", created, model,
+                   [{"index": index, "delta": delta, "logprobs": None,
+                     "finish_reason": finish_reason}])
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, usage: dict) -> dict:
-  return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-          "usage": usage}
+  return _envelope(rid, obj, created, model, [], usage=usage)
