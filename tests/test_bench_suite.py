@@ -177,6 +177,25 @@ def test_bad_arguments_are_rejected(capsys):
   assert "WxL" in capsys.readouterr().err
 
 
+def test_settings_tell_a_retrained_drafter_from_the_old_one_at_the_same_path(tmp_path):
+  """A resumed run compares settings; the drafter enters them by content, not only by path."""
+  from redrafter_jax.config import DrafterConfig
+  from redrafter_jax.models.drafter import init_drafter
+  from redrafter_jax.weights.drafter_io import save_drafter
+
+  path = tmp_path / "drafter"
+  cfg = DrafterConfig(vocab_size=64, hidden_size=16, exit_dim=8)
+  save_drafter(init_drafter(cfg, seed=0), path, format="reference")
+  args = suite.parse_args(["--drafter", str(path), "--no-transformers"])
+  before = suite.settings_of(args)
+  assert before == suite.settings_of(args) and len(before["drafter_sha256"]) == 16
+  save_drafter(init_drafter(cfg, seed=1), path, format="reference", overwrite=True)
+  after = suite.settings_of(args)
+  assert after["drafter"] == before["drafter"]
+  assert after["drafter_sha256"] != before["drafter_sha256"]
+  assert suite.settings_of(suite.parse_args(["--drafter", "random"]))["drafter_sha256"] is None
+
+
 def test_presets_fill_only_what_was_not_given():
   o = suite.parse_args([])
   assert (o.dtype, o.attention, o.batch_sizes, o.per_category) == ("float32", "xla", [], 1)

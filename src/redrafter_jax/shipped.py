@@ -7,6 +7,7 @@ with (e.g. its recommended draft vocabulary size); they are defaults, never requ
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 
@@ -28,6 +29,17 @@ def resolve_drafter(spec: str | None) -> pathlib.Path:
   if not path.exists():
     raise FileNotFoundError(f"drafter not found: {path}")
   return path
+
+
+def fingerprint(path) -> str:
+  """16 hex digits of SHA-256 over a drafter folder's files (names and bytes): it changes
+  whenever the weights, config, ranking or decode settings do, even at the same path."""
+  root = pathlib.Path(path)
+  digest = hashlib.sha256()
+  for f in sorted(p for p in root.rglob("*") if p.is_file()):
+    digest.update(f.relative_to(root).as_posix().encode() + b"\0")
+    digest.update(f.read_bytes())
+  return digest.hexdigest()[:16]
 
 
 def decode_defaults(path) -> dict:

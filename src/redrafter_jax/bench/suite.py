@@ -217,7 +217,13 @@ def run_folder(out: pathlib.Path, machine: str, quick: bool) -> pathlib.Path:
 
 def settings_of(o) -> dict:
   """What measurements depend on; a resumed run must match it exactly."""
+  from redrafter_jax import shipped
+
+  # The drafter's fingerprint, not just its path: a retrained drafter at the same path must not
+  # resume (and mix with) measurements of the old one.
   return dict(model=str(o.model), drafter=str(o.drafter),
+              drafter_sha256=(None if o.drafter == "random" else
+                              shipped.fingerprint(shipped.resolve_drafter(o.drafter))),
               exit_dim=o.exit_dim if o.drafter == "random" else None,
               dtype=o.dtype, attention=o.attention,
               max_new_tokens=o.max_new_tokens, draft_vocab=o.draft_vocab,
