@@ -67,17 +67,18 @@ def _chunk_sums(drafter, soft, h_BPD, prev_emb_BPnD, targets_BPn, weights_BPn, c
   """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits (each ``[n]``).
 
   ``targets`` index the drafter's output rows; ``weights`` are 0 for targets that do not count
-  (or that its vocabulary cannot produce). With ``soft`` the cross-entropy is against the LLM's
-  distributions ``teacher_p`` over the same rows, weighted by ``ce_weights``."""
+  (accuracies), ``ce_weights`` for those the cross-entropy skips. With ``soft`` the
+  cross-entropy is against the LLM's distributions ``teacher_p`` over the same rows."""
   logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD)
   logz_BPn = jax.nn.logsumexp(logits_BPnV, axis=-1)
   target_logit_BPn = jnp.take_along_axis(logits_BPnV, targets_BPn[..., None], axis=-1)[..., 0]
   rank_BPn = jnp.sum(logits_BPnV > target_logit_BPn[..., None], axis=-1)
   if soft:
     soft_logit_BPn = jnp.sum(teacher_p_BPnV * logits_BPnV, axis=-1)
-    ce_n = jnp.sum((logz_BPn - soft_logit_BPn) * ce_weights_BPn, axis=(0, 1))
+    ce_BPn = logz_BPn - soft_logit_BPn
   else:
-    ce_n = jnp.sum((logz_BPn - target_logit_BPn) * weights_BPn, axis=(0, 1))
+    ce_BPn = logz_BPn - target_logit_BPn
+  ce_n = jnp.sum(ce_BPn * ce_weights_BPn, axis=(0, 1))
   top1_n = jnp.sum((rank_BPn < 1) * weights_BPn, axis=(0, 1))
   top5_n = jnp.sum((rank_BPn < 5) * weights_BPn, axis=(0, 1))
   return ce_n, top1_n, top5_n
@@ -122,7 +123,6 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   # Step i+1 (0-based i) consumes the embedding of token t+1+i.
   prev_emb_BTnD = jnp.take(embedding_VD, future_window(tokens_BT, 1, n), axis=0)
   weights_BTn = counts_BTn.astype(jnp.float32)
-  ce_weights_BTn = weights_BTn
   count_n = jnp.sum(weights_BTn, axis=(0, 1))
   soft = teacher_out_VD is not None
   teacher_p_BTnV = jnp.zeros((B, T, n, 0), jnp.float32)
@@ -140,6 +140,8 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
     targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_K,
                                                    embedding_VD.shape[0])
     weights_BTn = weights_BTn * in_vocab_BTn
+  # Hard targets outside the drafter's vocabulary have no cross-entropy; soft ones always do.
+  ce_weights_BTn = counts_BTn.astype(jnp.float32) if soft else weights_BTn
   P = min(chunk, T)
   num_chunks = -(-T // P)
   pad_T = num_chunks * P - T
@@ -161,7 +163,7 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   (ce_n, top1_n, top5_n), _ = jax.lax.scan(body, (zeros_n, zeros_n, zeros_n), xs)
   scored_n = jnp.sum(weights_BTn, axis=(0, 1))
   denom_n = jnp.maximum(count_n, 1.0)
-  loss_n = ce_n / (denom_n if soft else jnp.maximum(scored_n, 1.0))
+  loss_n = ce_n / jnp.maximum(jnp.sum(ce_weights_BTn, axis=(0, 1)), 1.0)
   metrics = dict(loss_n=loss_n, top1_n=top1_n / denom_n, top5_n=top5_n / denom_n,
                  count_n=count_n, coverage_n=scored_n / denom_n)
   return jnp.sum(loss_n), metrics

@@ -120,13 +120,19 @@ def _eval_row(step: int, batch_metrics) -> dict[str, Any]:
   """One held-out row: per-step metrics averaged over the batches, weighted by their targets."""
   ms = [{k: np.asarray(sh.local_value(v)) for k, v in m.items()} for m in batch_metrics]
   count_n = sum(m["count_n"] for m in ms)
-  row = {"step": step, "targets": int(count_n[0])}
-  for name in ("loss_n", "top1_n", "top5_n", "coverage_n"):
-    mean_n = sum(m[name] * m["count_n"] for m in ms) / np.maximum(count_n, 1)
-    for i, v in enumerate(mean_n.tolist()):
-      row[f"{name[:-2]}_{i + 1}"] = float(v)
-  row["loss"] = float(sum(row[f"loss_{i + 1}"] for i in range(len(count_n))))
-  return row
+  means = {name: sum(m[name] * m["count_n"] for m in ms) / np.maximum(count_n, 1)
+           for name in PER_STEP_METRICS}
+  return {"step": step, "targets": int(count_n[0]), **_per_step_columns(means),
+          "loss": float(np.sum(means["loss_n"]))}
+
+
+# Per-step ``[n]`` metrics of ``losses.distill_loss``; a row holds them as ``loss_1``, ...
+PER_STEP_METRICS = ("loss_n", "top1_n", "top5_n", "coverage_n")
+
+
+def _per_step_columns(metrics) -> dict[str, float]:
+  return {f"{name[:-2]}_{i + 1}": float(v) for name in PER_STEP_METRICS
+          for i, v in enumerate(np.asarray(metrics[name]).tolist())}
 
 
 def preset_dict(preset: Preset) -> dict[str, Any]:
@@ -359,10 +365,7 @@ def _host_metrics(step: int, metrics) -> dict[str, Any]:
   row = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
          "grad_norm": float(m["grad_norm"]), "tokens": int(m["tokens"]),
          "targets": int(np.asarray(m["count_n"])[0]), "tokens_per_s": None}
-  for name in ("loss_n", "top1_n", "top5_n", "coverage_n"):
-    for i, v in enumerate(np.asarray(m[name]).tolist()):
-      row[f"{name[:-2]}_{i + 1}"] = float(v)
-  return row
+  return {**row, **_per_step_columns(m)}
 
 
 def flat_dict(tree) -> dict[str, np.ndarray]:
