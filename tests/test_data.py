@@ -19,8 +19,8 @@ def _records(num=24, seed=0, max_len=40):
   return out
 
 
-def _folder(tmp_path, records, shards=3):
-  folder = tmp_path / "data"
+def _folder(tmp_path, records, shards=3, name="data", settings=None):
+  folder = tmp_path / name
   folder.mkdir()
   names = {}
   for k in range(shards):
@@ -28,7 +28,7 @@ def _folder(tmp_path, records, shards=3):
     data.write_shard(folder / name, [data.encode_record(t, m, id=i, sampled=k % 2 == 1)
                                      for i, t, m in records[k::shards]])
     names[name] = {}
-  (folder / data.MANIFEST).write_text(json.dumps({"settings": {}, "shards": names}))
+  (folder / data.MANIFEST).write_text(json.dumps({"settings": settings or {}, "shards": names}))
   return folder
 
 
@@ -61,6 +61,29 @@ def test_padded_epoch_holds_every_record_once(tmp_path):
   it = data.make_iterator(folder, seq_len=48, global_batch=4, seed=3, pack=False)
   seen = sum((_sequences(next(it)) for _ in range(6)), [])
   assert sorted(seen) == sorted((tuple(t), tuple(m.astype(np.int32))) for _, t, m in records)
+
+
+def test_several_folders_read_as_one_data_set(tmp_path):
+  a, b = _records(12, seed=1), _records(9, seed=2)
+  fa, fb = _folder(tmp_path, a, shards=3, name="a"), _folder(tmp_path, b, shards=3, name="b")
+  it = data.make_iterator([fa, fb], seq_len=48, global_batch=3, seed=0, pack=False)
+  seen = sum((_sequences(next(it)) for _ in range(7)), [])
+  assert sorted(seen) == sorted((tuple(t), tuple(m.astype(np.int32))) for _, t, m in a + b)
+  # Held-out shards: the last of EACH folder, never among the training shards.
+  train = data.shard_paths([fa, fb], holdout=1)
+  held = data.shard_paths([fa, fb], holdout=1, part="eval")
+  assert held == [fa / "shard-00002.array_record", fb / "shard-00002.array_record"]
+  assert len(train) == 4 and not set(train) & set(held)
+
+
+def test_folders_made_by_different_models_are_refused(tmp_path):
+  fa = _folder(tmp_path, _records(3), shards=1, name="a", settings={"vocab_size": 100})
+  fb = _folder(tmp_path, _records(3), shards=1, name="b", settings={"vocab_size": 200})
+  assert data.data_vocab_size([fa]) == 100
+  with pytest.raises(DataError, match="different vocab_size"):
+    data.data_vocab_size([fa, fb])
+  with pytest.raises(DataError, match="data folder not found"):
+    data.data_vocab_size([fa, tmp_path / "nope"])
 
 
 def test_packed_rows_hold_whole_records(tmp_path):

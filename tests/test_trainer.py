@@ -175,6 +175,22 @@ def test_held_out_shards_are_evaluated_and_not_trained_on(synthetic, tmp_path):
                   progress=False, export=False)
 
 
+def test_several_data_folders_train_as_one(synthetic, tmp_path):
+  other = write_synthetic(tmp_path / "other", num=40, seed=1)
+  both = load_preset(TINY, {"train.data": [str(synthetic), str(other)],
+                            "train.output_dir": str(tmp_path / "run"), "train.seq_len": 64,
+                            "train.num_steps": 4, "train.eval_shards": 1, "train.eval_every": 2,
+                            "train.eval_batches": 1})
+  assert both.train.data == (str(synthetic), str(other))
+  result = trainer.train(both, progress=False, export=False)
+  assert [r["step"] for r in result.eval_history] == [2, 4]
+  assert all(np.isfinite(r["loss"]) for r in result.history)
+  # The ranking counts the training shards of every folder (the last of each is held out).
+  np.testing.assert_array_equal(
+      data.token_counts([synthetic, other], VOCAB, holdout=1),
+      data.token_counts(synthetic, VOCAB, holdout=1) + data.token_counts(other, VOCAB, holdout=1))
+
+
 def test_checkpoints_from_before_a_new_setting_resume_under_its_default(synthetic, tmp_path):
   current = trainer.preset_dict(preset(synthetic, tmp_path))
   saved = {**current, "train": {k: v for k, v in current["train"].items()
@@ -246,6 +262,7 @@ def test_init_drafter_shape_mismatch_is_a_clear_error(synthetic, tmp_path):
     (["train.num_stepz=3"], "unknown key(s) 'num_stepz' (did you mean 'num_steps'?)"),
     (["train.data=/no/such/folder"], "data folder not found: /no/such/folder"),
     (["train.batch_size=0"], "train.batch_size must be an integer >= 1"),
+    (["train.data=[]"], "train.data must be a folder or a non-empty list of folders"),
 ])
 def test_cli_errors_are_one_line(argv, needle, capsys):
   assert cli.main(["train", "--config", str(TINY), *argv]) == 2
@@ -260,3 +277,9 @@ def test_data_with_another_vocabulary_is_refused(tmp_path):
   (folder / data.MANIFEST).write_text(json.dumps(manifest))
   with pytest.raises(ConfigError, match="vocab_size 49152"):
     trainer.train(preset(folder, tmp_path / "run", num_steps=1), progress=False)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+  p = load_preset(path)
+  assert p.train.num_steps >= 1 and p.model

@@ -273,7 +273,8 @@ class DecodeConfig:
 class TrainConfig:
   """Distillation recipe (DESIGN §7); defaults are the reference recipe."""
 
-  data: str = "runs/distill_data"  # folder written by ``redrafter-jax distill-data``
+  # Folder written by ``redrafter-jax distill-data``, or a list of them (read as one data set).
+  data: str | tuple[str, ...] = "runs/distill_data"
   output_dir: str = "runs/train"
   seq_len: int = 512
   batch_size: int = 8  # global batch, sequences
@@ -317,6 +318,10 @@ class TrainConfig:
         raise ConfigError(f"train.{name} must be an integer >= 0, got {getattr(self, name)!r}")
     if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
       raise ConfigError(f"train.eval_batches must be an integer >= 1, got {self.eval_batches!r}")
+    if not (isinstance(self.data, str) and self.data) and not (
+        isinstance(self.data, tuple) and self.data and all(isinstance(d, str) for d in self.data)):
+      raise ConfigError(f"train.data must be a folder or a non-empty list of folders, got "
+                        f"{self.data!r}")
     if not isinstance(self.soft_targets, bool):
       raise ConfigError(f"train.soft_targets must be true or false, got {self.soft_targets!r}")
     if self.head_init not in ("random", "llm"):

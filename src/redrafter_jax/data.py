@@ -85,20 +85,42 @@ def read_manifest(folder: str | pathlib.Path) -> dict[str, Any]:
     raise DataError(f"{path}: invalid JSON ({e})") from e
 
 
-def shard_paths(folder: str | pathlib.Path, *, holdout: int = 0,
-                part: str = "train") -> list[pathlib.Path]:
-  """The completed shards listed in the manifest, in order; every one must exist.
+def folders(data: str | pathlib.Path | Sequence[str | pathlib.Path]) -> list[pathlib.Path]:
+  """``train.data`` as a list of folders: one folder, or several whose shards are read as one."""
+  items = [data] if isinstance(data, (str, pathlib.Path)) else list(data)
+  if not items:
+    raise DataError("no data folder given")
+  return [pathlib.Path(f) for f in items]
 
-  ``holdout`` K > 0 sets the last K shards aside for evaluation: ``part="train"`` returns the
-  others, ``part="eval"`` those K (distill-data shuffles prompts across shards, so they are a
-  uniform sample)."""
-  folder = pathlib.Path(folder)
+
+def data_vocab_size(data) -> int | None:
+  """The vocabulary size the data was made with (every folder must agree); reads the manifests,
+  so a missing or malformed folder fails here."""
+  sizes = {f: read_manifest(f).get("settings", {}).get("vocab_size") for f in folders(data)}
+  known = {v for v in sizes.values() if v is not None}
+  if len(known) > 1:
+    raise DataError(f"data folders were made by models with different vocab_size: {sizes}")
+  return known.pop() if known else None
+
+
+def shard_paths(data: str | pathlib.Path | Sequence[str | pathlib.Path], *, holdout: int = 0,
+                part: str = "train") -> list[pathlib.Path]:
+  """The completed shards listed in the manifest(s), in order; every one must exist.
+
+  ``data`` is one folder or several (their shards are concatenated in the order given).
+  ``holdout`` K > 0 sets the last K shards of EACH folder aside for evaluation: ``part="train"``
+  returns the others, ``part="eval"`` those (distill-data shuffles prompts across shards, so
+  they are a uniform sample of each folder's prompts)."""
+  if part not in ("train", "eval"):
+    raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
+  return [p for folder in folders(data) for p in _folder_shards(folder, holdout, part)]
+
+
+def _folder_shards(folder: pathlib.Path, holdout: int, part: str) -> list[pathlib.Path]:
   manifest = read_manifest(folder)
   names = sorted(manifest.get("shards", {}))
   if not names:
     raise DataError(f"{folder}: the manifest lists no completed shards")
-  if part not in ("train", "eval"):
-    raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
   if holdout:
     if not 0 < holdout < len(names):
       raise DataError(f"{folder}: cannot hold out {holdout} of its {len(names)} completed "
@@ -113,16 +135,16 @@ def shard_paths(folder: str | pathlib.Path, *, holdout: int = 0,
   return paths
 
 
-def read_records(folder: str | pathlib.Path, **split) -> list[dict[str, Any]]:
-  """Every record of a data folder (or of its ``split``, see ``shard_paths``), decoded, in shard
-  order (for tests and inspection)."""
+def read_records(folder, **split) -> list[dict[str, Any]]:
+  """Every record of a data folder or folders (or of its ``split``, see ``shard_paths``),
+  decoded, in shard order (for tests and inspection)."""
   from grain.sources import ArrayRecordDataSource
 
   source = ArrayRecordDataSource([str(p) for p in shard_paths(folder, **split)])
   return [decode_record(source[i]) for i in range(len(source))]
 
 
-def token_counts(folder: str | pathlib.Path, vocab_size: int, **split) -> np.ndarray:
+def token_counts(folder, vocab_size: int, **split) -> np.ndarray:
   """How often each token id occurs as a response token (``[vocab_size]`` int64)."""
   counts = np.zeros((vocab_size,), np.int64)
   for rec in read_records(folder, **split):
@@ -174,14 +196,15 @@ def _rows(batch: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, n
   return {name: np.ascontiguousarray(batch[name][start:stop]) for name in FIELDS}
 
 
-def make_dataset(folder: str | pathlib.Path, *, seq_len: int, global_batch: int, seed: int,
+def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
                  pack: bool = True, rows: tuple[int, int] | None = None,
                  vocab_size: int | None = None, packing_bins: int | None = None,
                  holdout: int = 0, part: str = "train") -> grain.IterDataset:
   """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
 
   ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
-  ``holdout`` / ``part`` pick the shards (``shard_paths``).
+  ``folder`` is one data folder or several; ``holdout`` / ``part`` pick the shards
+  (``shard_paths``).
   """
   start, stop = rows if rows is not None else (0, global_batch)
   if not 0 <= start < stop <= global_batch:
@@ -191,7 +214,7 @@ def make_dataset(folder: str | pathlib.Path, *, seq_len: int, global_batch: int,
   paths = shard_paths(folder, holdout=holdout, part=part)
   source = ArrayRecordDataSource([str(p) for p in paths])
   if len(source) == 0:
-    raise DataError(f"{folder}: the shards hold no records")
+    raise DataError(f"{', '.join(map(str, folders(folder)))}: the shards hold no records")
   # repeat() after shuffle() reseeds the shuffle every epoch (grain's documented behaviour).
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
   ds = ds.map(decode_record).map(lambda rec: _truncate(rec, seq_len, vocab_size))

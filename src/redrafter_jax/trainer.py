@@ -181,14 +181,13 @@ def build_drafter(preset: Preset, llm_cfg) -> Drafter:
   return Drafter(dcfg, rngs=nnx.Rngs(cfg.seed))
 
 
-def _frozen_llm(preset: Preset, mesh, manifest):
+def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
   """The LLM's graph, its state placed on ``mesh`` (tensor-parallel rules), its config and its
   output projection ``[V, D]`` on the host (only when ``train.head_init`` is "llm")."""
   llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype)
   out_VD = None
   if preset.train.head_init == "llm" and not preset.train.init_drafter:
     out_VD = np.asarray(llm.output_matrix(), np.float32)
-  data_vocab = manifest.get("settings", {}).get("vocab_size")
   if data_vocab is not None and data_vocab != llm_cfg.vocab_size:
     raise ConfigError(f"data in {preset.train.data} was made by a model with vocab_size "
                       f"{data_vocab}, but {preset.model!r} has vocab_size {llm_cfg.vocab_size}")
@@ -262,10 +261,10 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   """
   cfg = preset.train
   out_dir = pathlib.Path(cfg.output_dir)
-  manifest = data_lib.read_manifest(cfg.data)  # fail on a bad data folder before loading models
+  data_vocab = data_lib.data_vocab_size(cfg.data)  # fail on bad data before loading models
   mesh = sh.make_mesh(cfg.mesh_data, cfg.mesh_model)
   rows = sh.process_rows(mesh, cfg.batch_size)
-  llm_graphdef, llm_state, llm_shardings, llm_cfg, out_VD = _frozen_llm(preset, mesh, manifest)
+  llm_graphdef, llm_state, llm_shardings, llm_cfg, out_VD = _frozen_llm(preset, mesh, data_vocab)
   merge, drafter_of, params, vocab_ids_K = _trainable_drafter(preset, llm_cfg, out_VD)
   tx, schedule = make_optimizer(cfg), make_schedule(cfg)
   repl = sh.replicated(mesh)

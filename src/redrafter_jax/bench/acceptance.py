@@ -1,0 +1,153 @@
+"""How often drafters guess the LLM's own greedy answers, per Spec-Bench category (no timing).
+
+For each chosen prompt the LLM answers greedily (our AR decoder, stop tokens end the answer); one
+forward over prompt + answer gives its hidden states; then every drafter, teacher-forced on the
+answer, predicts steps 1..n at every answer position t (step i from ``h_t`` and tokens
+t+1..t+i, target t+i+1, as in training). Reported per category and drafter:
+
+  top-1 at step i   share of positions where the drafter's first choice is the LLM's token;
+  W=1 run at L      mean of 1 + (consecutive correct steps from step 1, at most L-1): with one
+                    beam a correct prefix drafts exactly the teacher-forced tokens, so this is the
+                    tokens per verification step a W=1, L decode would get if it stopped at every
+                    position (real decodes stop only where the previous step ended).
+
+Being free of timing noise and batch effects, it compares drafters (``--drafter`` repeated)
+exactly and in minutes on a CPU::
+
+  python -m redrafter_jax.bench acceptance --prompts ../shared/data/spec_bench.jsonl \\
+      --drafter runs/drafter_v1 --drafter shipped --per-category 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from redrafter_jax.models.drafter import restrict_vocab
+from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
+from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+
+
+def pick_prompts(path, tok, per_category: int, max_prompt_tokens: int):
+  """``(category, ids)`` of the first ``per_category`` prompts of each category (as the suite
+  picks them), chat-templated; longer prompts than ``max_prompt_tokens`` are left out."""
+  from redrafter_jax.bench.suite import select_prompts
+
+  out = [(r["category"], encode(tok, r["prompt"], chat=True))
+         for r in select_prompts(pathlib.Path(path), per_category)]
+  return [(c, ids) for c, ids in out if len(ids) <= max_prompt_tokens]
+
+
+def _round_up(n: int, multiple: int = 128) -> int:
+  return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _hidden(graphdef, state, seq_1T):
+  """The LLM's hidden states (after the final norm) over one causal sequence."""
+  T = seq_1T.shape[1]
+  llm = nnx.merge(graphdef, state)
+  return llm.forward_hidden(seq_1T, jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)))[0]
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _top1(graphdef, state, h_xD, prev_xnD):
+  drafter = nnx.merge(graphdef, state)
+  pred_xn = jnp.argmax(drafter.unroll_logits(h_xD, prev_xnD), -1)
+  return pred_xn if drafter.vocab_ids is None else drafter.vocab_ids[...][pred_xn]
+
+
+def teacher_forced_hits(llm, drafter, prompt, answer, n: int) -> np.ndarray:
+  """``hits[t, i]``: the drafter's top-1 at step i+1 from answer position t is the LLM's token
+  (positions with all n targets inside the answer; the first is the prompt's last token).
+  Shapes are padded to multiples of 128 (padding comes last, so causal attention ignores it)."""
+  T, P = len(prompt) + len(answer), len(prompt)
+  starts = np.arange(P - 1, T - n - 1)  # t: targets t+2 .. t+n+1 all in the sequence
+  if starts.size == 0:
+    return np.zeros((0, n), bool)
+  seq = np.zeros((_round_up(T + n + 1),), np.int32)
+  seq[:T] = prompt + answer
+  hidden_TD = _hidden(*nnx.split(llm), jnp.asarray(seq)[None])[0]
+  x = _round_up(starts.size)
+  padded = np.concatenate([starts, np.full((x - starts.size,), starts[0])])
+  emb_VD = llm.embed_tokens.embedding[...]
+  prev_xnD = emb_VD[seq[padded[:, None] + 1 + np.arange(n)]]
+  pred = np.asarray(_top1(*nnx.split(drafter), hidden_TD[padded], prev_xnD))[:starts.size]
+  return pred == seq[starts[:, None] + 2 + np.arange(n)]
+
+
+def runs(hits_xn: np.ndarray, L: int) -> np.ndarray:
+  """1 + consecutive hits from step 1, capped at L-1 drafted tokens."""
+  ok = np.cumprod(hits_xn[:, :L - 1], axis=1)
+  return 1 + ok.sum(axis=1)
+
+
+def main(argv=None) -> int:
+  from redrafter_jax.bench.decode import draft_vocab_arg, load_drafter_arg
+  from redrafter_jax.generate import generate
+
+  ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench acceptance",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--prompts", required=True, help="Spec-Bench jsonl ({category, prompt})")
+  ap.add_argument("--model", default="smollm2-135m")
+  ap.add_argument("--drafter", action="append", default=None,
+                  help="drafter folder or 'shipped' (repeat to compare; default: shipped)")
+  ap.add_argument("--draft-vocab", type=int, default=None,
+                  help="draft vocabulary size (0 = all; default: each drafter's decode.json)")
+  ap.add_argument("--per-category", type=int, default=4)
+  ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+  ap.add_argument("--max-new-tokens", type=int, default=128)
+  ap.add_argument("--steps", type=int, default=4, help="draft steps n (L = n + 1 at most)")
+  args = ap.parse_args(argv)
+  specs = args.drafter or ["shipped"]
+  if args.steps < 1 or args.per_category < 1:
+    print("error: --steps and --per-category must be >= 1", file=sys.stderr)
+    return 2
+
+  start = time.perf_counter()
+  llm, llm_cfg = load_llama(args.model)
+  tok = load_tokenizer(resolve_source(args.model))
+  drafters = [restrict_vocab(load_drafter_arg(s, llm_cfg, 0), draft_vocab_arg(s, args.draft_vocab))
+              for s in specs]
+  prompts = pick_prompts(args.prompts, tok, args.per_category, args.max_prompt_tokens)
+  n = args.steps
+  hits = collections.defaultdict(lambda: [np.zeros((0, n), bool) for _ in drafters])
+  for k, (cat, ids) in enumerate(prompts):
+    answer = generate(llm, [ids], max_new_tokens=args.max_new_tokens,
+                      stop_ids=stop_token_ids(tok)).tokens[0]
+    for j, d in enumerate(drafters):
+      h = teacher_forced_hits(llm, d, ids, answer, n)
+      for key in (cat, "all"):
+        hits[key][j] = np.concatenate([hits[key][j], h])
+    print(f"\r{k + 1}/{len(prompts)} prompts", end="", file=sys.stderr, flush=True)
+  print(file=sys.stderr)
+
+  print(f"Teacher-forced drafter accuracy on {args.model}'s own greedy answers "
+        f"({len(prompts)} prompts of {args.prompts}, up to {args.per_category} per category, "
+        f"{args.max_new_tokens} new tokens; {time.perf_counter() - start:.0f} s).\n")
+  for j, spec in enumerate(specs):
+    print(f"drafter {j + 1}: {spec} (draft vocabulary {drafters[j].vocab_ids.shape[0] if drafters[j].vocab_ids is not None else 'all'})")
+  head = ["category", "positions"] + [
+      f"d{j + 1} {col}" for j in range(len(specs))
+      for col in [f"top-1 s{i + 1}" for i in range(min(n, 2))] + [f"W=1 run L={n + 1}"]]
+  print("\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+  for cat in sorted(hits, key=lambda c: (c == "all", c)):
+    row = [f"**{cat}**" if cat == "all" else cat, str(hits[cat][0].shape[0])]
+    for h in hits[cat]:
+      row += [f"{h[:, i].mean():.3f}" for i in range(min(n, 2))] + [f"{runs(h, n + 1).mean():.2f}"]
+    print("| " + " | ".join(row) + " |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,38 @@
+"""``redrafter-jax self-prompts``: the LLM writes user requests for its own teacher data."""
+
+from redrafter_jax.cli import UserError
+
+HELP = "the LLM samples user requests (a prompts file for distill-data), Magpie-style"
+
+
+def add_arguments(p):
+  p.add_argument("--out", required=True, help="JSON-lines prompts file to write (resumed if it exists)")
+  p.add_argument("--num", type=int, required=True, help="requests to collect")
+  p.add_argument("--model", default="smollm2-135m",
+                 help="base model: known name, GGUF/HF path, or random:<spec> (tests)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--max-new-tokens", type=int, default=96,
+                 help="longest request; a request that has not ended by then is dropped")
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--max-batches", type=int, default=None,
+                 help="stop after drawing this many batches (rerun to continue)")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+  from redrafter_jax import distill, self_prompts
+  from redrafter_jax.data import DataError
+
+  try:
+    llm, _ = distill.load_teacher(args.model, dtype=args.dtype)
+    tok = distill.load_teacher_tokenizer(args.model)
+    stats = self_prompts.write_self_prompts(
+        llm, tok, args.out, num=args.num, source=f"self-prompts ({args.model})",
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, seed=args.seed, max_batches=args.max_batches)
+  except DataError as e:
+    raise UserError(str(e)) from e
+  print(f"{args.out}: {stats.prompts} requests ({stats.new} new from {stats.batches} batch(es), "
+        f"{stats.seconds:.0f} s)")
+  return 0

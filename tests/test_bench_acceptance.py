@@ -1,0 +1,69 @@
+"""The drafter-acceptance benchmark: teacher-forced hits equal a step-by-step drafter walk."""
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from redrafter_jax.bench import acceptance
+from redrafter_jax.config import DrafterConfig
+from redrafter_jax.models.drafter import Drafter, restrict_vocab
+from tests import tiny_models
+
+
+def _walk_hits(llm, drafter, prompt, answer, n):
+  """Reference: per position, ``drafter.step`` n times on the true tokens (one at a time)."""
+  seq = prompt + answer
+  T = len(seq)
+  hidden = np.asarray(llm.forward_hidden(jnp.asarray(seq)[None], jnp.arange(T)[None],
+                                         jnp.tril(jnp.ones((1, T, T), bool)))[0][0])
+  emb = llm.embed_tokens.embedding[...]
+  rows = []
+  for t in range(len(prompt) - 1, T - n - 1):
+    h, s, row = jnp.asarray(hidden[t])[None], drafter.init_state(jnp.asarray(hidden[t])[None]), []
+    for i in range(n):
+      logp, s = drafter.step(h, s, emb[seq[t + 1 + i]][None])
+      k = int(jnp.argmax(logp[0]))
+      tok = int(drafter.vocab_ids[...][k]) if drafter.vocab_ids is not None else k
+      row.append(tok == seq[t + 2 + i])
+    rows.append(row)
+  return np.array(rows, bool)
+
+
+def _answer_with_hits(llm, drafter, prompt, answer):
+  """``answer`` with two of every three tokens replaced, left to right, by the drafter's step-1
+  guess for them, so that a random drafter has hits to find."""
+  seq = list(prompt) + list(answer)
+  for j in range(len(prompt) + 1, len(seq)):
+    if j % 3:
+      seq[j] = int(_walk_guess(llm, drafter, seq[:j]))
+  return seq[len(prompt):]
+
+
+def _walk_guess(llm, drafter, seq):
+  """The drafter's step-1 guess for the token after ``seq`` (from h at len-2 and seq[-1])."""
+  padded = np.zeros((64,), np.int32)
+  padded[:len(seq)] = seq  # one compiled shape; padding comes last (causal)
+  h = acceptance._hidden(*nnx.split(llm), jnp.asarray(padded)[None])[:, len(seq) - 2]
+  logp, _ = drafter.step(h, drafter.init_state(h), llm.embed_tokens.embedding[...][seq[-1]][None])
+  k = int(jnp.argmax(logp[0]))
+  return drafter.vocab_ids[...][k] if drafter.vocab_ids is not None else k
+
+
+def test_hits_equal_a_step_by_step_walk(tmp_path):
+  llm, cfg, _ = tiny_models.load_tiny(tmp_path)
+  drafter = Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                  exit_dim=48), rngs=nnx.Rngs(1))
+  prompt = tiny_models.random_tokens(1, 9)
+  for d in (drafter, restrict_vocab(drafter, 40)):
+    answer = _answer_with_hits(llm, d, prompt, tiny_models.random_tokens(2, 30))
+    got = acceptance.teacher_forced_hits(llm, d, prompt, answer, 3)
+    want = _walk_hits(llm, d, prompt, answer, 3)
+    assert got.shape == want.shape == (len(answer) - 3, 3)
+    np.testing.assert_array_equal(got, want)
+    assert 0 < want.sum() < want.size  # both hits and misses are checked
+
+
+def test_runs_count_consecutive_hits_from_step_one():
+  hits = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1]], bool)
+  assert acceptance.runs(hits, 5).tolist() == [3, 1, 5, 2]
+  assert acceptance.runs(hits, 3).tolist() == [3, 1, 3, 2]
