@@ -1,7 +1,10 @@
 """The drafter-acceptance benchmark: teacher-forced hits equal a step-by-step drafter walk."""
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from redrafter_jax.bench import acceptance
@@ -67,3 +70,21 @@ def test_runs_count_consecutive_hits_from_step_one():
   hits = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1]], bool)
   assert acceptance.runs(hits, 5).tolist() == [3, 1, 5, 2]
   assert acceptance.runs(hits, 3).tolist() == [3, 1, 3, 2]
+
+
+@pytest.mark.slow
+def test_real_run_prints_one_row_per_category(spec_bench_path, tmp_path, capsys):
+  rows = [json.loads(line) for line in spec_bench_path.read_text().splitlines()]
+  cats = ["math_reasoning", "translation"]
+  small = tmp_path / "p.jsonl"
+  small.write_text("".join(json.dumps(next(r for r in rows if r["category"] == c)) + "\n"
+                           for c in cats))
+  assert acceptance.main(["--prompts", str(small), "--drafter", "shipped", "--drafter", "shipped",
+                          "--per-category", "1", "--max-new-tokens", "24"]) == 0
+  table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+  assert [line.split(" | ")[0][2:] for line in table[2:]] == cats + ["**all**"]
+  for line in table[2:]:
+    cells = line.strip("| ").split(" | ")
+    assert int(cells[1]) > 0
+    assert cells[2:5] == cells[5:8]  # the same drafter twice scores the same
+    assert all(0.0 <= float(c) <= 1.0 for c in cells[2:4]) and 1.0 <= float(cells[4]) <= 5.0
