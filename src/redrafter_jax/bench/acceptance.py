@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redrafter_jax.losses import frozen_hidden
 from redrafter_jax.models.drafter import restrict_vocab
 from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
@@ -54,10 +55,11 @@ def _round_up(n: int, multiple: int = 128) -> int:
 
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _hidden(graphdef, state, seq_1T):
-  """The LLM's hidden states (after the final norm) over one causal sequence."""
+  """The LLM's hidden states (after the final norm) over one causal sequence, as training
+  computes them (one packed sequence filling the row)."""
   T = seq_1T.shape[1]
-  llm = nnx.merge(graphdef, state)
-  return llm.forward_hidden(seq_1T, jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)))[0]
+  return frozen_hidden(nnx.merge(graphdef, state), seq_1T, jnp.arange(T)[None],
+                       jnp.ones((1, T), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -135,8 +137,9 @@ def main(argv=None) -> int:
   print(f"Teacher-forced drafter accuracy on {args.model}'s own greedy answers "
         f"({len(prompts)} prompts of {args.prompts}, up to {args.per_category} per category, "
         f"{args.max_new_tokens} new tokens; {time.perf_counter() - start:.0f} s).\n")
-  for j, spec in enumerate(specs):
-    print(f"drafter {j + 1}: {spec} (draft vocabulary {drafters[j].vocab_ids.shape[0] if drafters[j].vocab_ids is not None else 'all'})")
+  for j, (spec, d) in enumerate(zip(specs, drafters)):
+    vocab = "all" if d.vocab_ids is None else d.vocab_ids.shape[0]
+    print(f"drafter {j + 1}: {spec} (draft vocabulary {vocab})")
   head = ["category", "positions"] + [
       f"d{j + 1} {col}" for j in range(len(specs))
       for col in [f"top-1 s{i + 1}" for i in range(min(n, 2))] + [f"W=1 run L={n + 1}"]]
