@@ -114,16 +114,19 @@ def test_batched_rows_finish_independently(llm, drafter, ar_greedy):
 
 
 def test_decode_traced_once_per_shape(llm, drafter):
+  """One loop program per static shape and per kind of batch (all greedy, or sampling)."""
   cfg = DecodeConfig(beam_width=2, beam_length=3, max_new_tokens=9)
   before = decode_lib.TRACE_COUNT["decode"]
   decode(llm, drafter, [[1, 2, 3], [4, 5]], cfg)
-  after_first = decode_lib.TRACE_COUNT["decode"]
-  # Same static shape (prompt length rounds to the same bucket), other prompts, seed and
-  # temperature: no retrace, and the loop runs many steps inside one compiled program.
-  r = decode(llm, drafter, [[9, 8, 7, 6], [3]], cfg, seed=3, temperature=0.8)
   decode(llm, drafter, [[5, 5], [6, 6, 6]], cfg, temperature=0.0)
-  assert after_first == before + 1
-  assert decode_lib.TRACE_COUNT["decode"] == after_first
+  after_greedy = decode_lib.TRACE_COUNT["decode"]
+  # Same static shape (prompt length rounds to the same bucket), other prompts, seeds and
+  # temperatures: one more program for sampling, then no retrace; the loop runs many steps
+  # inside one compiled program.
+  r = decode(llm, drafter, [[9, 8, 7, 6], [3]], cfg, seed=3, temperature=0.8)
+  decode(llm, drafter, [[2], [3, 4]], cfg, seed=4, temperature=[1.0, 0.0])
+  assert after_greedy == before + 1
+  assert decode_lib.TRACE_COUNT["decode"] == after_greedy + 1
   assert r.steps > 1
 
 

@@ -12,6 +12,7 @@ from scipy import stats
 from redrafter_jax import sampling
 from redrafter_jax import tree as tree_lib
 from redrafter_jax import verify
+from redrafter_jax.beam_search import BeamOutput
 from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
 from redrafter_jax.decode import decode
 from redrafter_jax.generate import generate
@@ -119,6 +120,7 @@ def test_exact_walk_on_hand_made_tree():
   logits = logits.at[0, 5, 7].set(5.0)  # after 1,2,6: 7 (bonus token)
   params = sampling.SamplingParams.make(1)
   v = verify.verify_exact(jax.random.key(0), t, logits, params, beam_length=3, filtered=False)
+  assert_same_verdict(verify.verify_greedy(t, logits, beam_length=3), v)
   assert int(v.num_accepted_B[0]) == 2
   np.testing.assert_array_equal(v.tokens_BA[0], [2, 6, 7])
   np.testing.assert_array_equal(v.path_BA[0], [0, 1, 5])
@@ -126,6 +128,43 @@ def test_exact_walk_on_hand_made_tree():
   # A rejection at the first level: the argmax (3) is not a child of the root.
   logits2 = logits.at[0, 0, 2].set(-10.0).at[0, 0, 3].set(5.0)
   v2 = verify.verify_exact(jax.random.key(0), t, logits2, params, beam_length=3, filtered=False)
+  assert_same_verdict(verify.verify_greedy(t, logits2, beam_length=3), v2)
   assert int(v2.num_accepted_B[0]) == 0
   np.testing.assert_array_equal(v2.tokens_BA[0, :1], [3])
   assert int(v2.end_slot_B[0]) == 0
+
+
+def assert_same_verdict(got, want):
+  for name in ("path_BA", "num_accepted_B", "tokens_BA", "end_slot_B"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
+@pytest.mark.parametrize("W,L", [(1, 4), (3, 4), (4, 5)])
+def test_greedy_verdict_equals_every_rule_at_temperature_zero(W, L):
+  """The all-greedy fast path gives the exact (and typical) rule's verdict at temperature 0, on
+  random trees with shared prefixes and logits whose argmax follows the drafts to random depths,
+  including tied maxima (the lowest token id wins in both)."""
+  Vb, B, seeds = 6, 8, 25
+  params = sampling.SamplingParams.make(B)
+  for seed in range(seeds):
+    rng = np.random.default_rng(seed)
+    beams = rng.integers(0, 3, (B, W, L))  # a small alphabet: many shared prefixes
+    beams[:, :, 0] = rng.integers(0, Vb, (B, 1))
+    t = tree_lib.pack(jnp.asarray(beams, jnp.int32), W * (L - 1) + 1)
+    logits = rng.integers(-2, 2, (B, t.size, Vb)).astype(np.float32)  # ties are common
+    # Plant each slot's first child as its argmax with probability 1/2.
+    tokens, parent = np.asarray(t.tokens_BN), np.asarray(t.parent_BN)
+    for b in range(B):
+      for n in range(t.size - 1, 0, -1):  # the lowest slot among siblings is planted last
+        if parent[b, n] >= 0 and rng.random() < 0.5:
+          logits[b, parent[b, n], tokens[b, n]] = 5.0
+    logits = jnp.asarray(logits)
+    greedy = verify.verify_greedy(t, logits, beam_length=L)
+    assert_same_verdict(greedy, verify.verify_exact(jax.random.key(seed), t, logits, params,
+                                                     beam_length=L, filtered=False))
+    beams_out = BeamOutput(jnp.asarray(beams, jnp.int32), jnp.zeros((B, W, L - 1)),
+                           jnp.zeros((B, W)))
+    typical = verify.verify_typical(jax.random.key(seed), t, beams_out, logits, params, eps=0.3,
+                                    delta=0.09, filtered=False)
+    for name in ("num_accepted_B", "tokens_BA"):  # the same tokens (beam-indexed path slots)
+      np.testing.assert_array_equal(getattr(typical, name), getattr(greedy, name), err_msg=name)

@@ -62,13 +62,17 @@ class DecodeState:
 
 
 def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng, stop_ids, *,
-         cache_size: int, max_new_tokens: int, beam_length: int, filtered: bool) -> DecodeState:
+         cache_size: int, max_new_tokens: int, beam_length: int, filtered: bool,
+         greedy: bool = False) -> DecodeState:
   """Prefill the prompts and choose each row's first token."""
   B = tokens_BT.shape[0]
   cache = llm.init_cache(B, cache_size)
   logits_BV, h_BD, cache = prefill(llm, tokens_BT, lengths_B, cache)
   rng, key = jax.random.split(rng)
-  g0_B = sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
+  if greedy:
+    g0_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  else:
+    g0_B = sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
   out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), g0_B[:, None],
                        jnp.ones((B,), jnp.int32), stop_ids, max_new_tokens)
   return DecodeState(cache, g0_B, h_BD, out, done_B, rng, Metrics.zeros(B, beam_length))
@@ -107,14 +111,17 @@ def per_row_keys(rng) -> bool:
 
 
 def accept(rng, beams: BeamOutput, tree: tree_lib.Tree, logits_BNV,
-           params: sampling.SamplingParams, cfg: DecodeConfig, filtered: bool
-           ) -> verify_lib.Verdict:
+           params: sampling.SamplingParams, cfg: DecodeConfig, filtered: bool,
+           greedy: bool = False) -> verify_lib.Verdict:
+  """The acceptance rule of ``cfg``. ``greedy`` (static: every row has temperature 0) takes the
+  argmax walk, which is what every rule does for greedy rows, without drawing random numbers."""
+  if greedy:
+    return verify_lib.verify_greedy(tree, logits_BNV, beam_length=cfg.beam_length)
   if per_row_keys(rng):  # each row decides alone, as a batch of one with its own key
     def row(key, one_row):
       b, t, logits_1NV, p = jax.tree.map(lambda x: x[None], one_row)
       return jax.tree.map(lambda x: x[0], accept(key, b, t, logits_1NV, p, cfg, filtered))
     return jax.vmap(row)(rng, (beams, tree, logits_BNV, params))
-  # Greedy rows (temperature 0) take the exact rule, which is then the argmax walk.
   if cfg.acceptance == "typical":
     return verify_lib.verify_typical(rng, tree, beams, logits_BNV, params, eps=cfg.typical_eps,
                                      delta=cfg.typical_delta, filtered=filtered)
@@ -153,7 +160,7 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
 
 
 def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.SamplingParams,
-         stop_ids, cfg: DecodeConfig, *, filtered: bool) -> DecodeState:
+         stop_ids, cfg: DecodeConfig, *, filtered: bool, greedy: bool = False) -> DecodeState:
   if per_row_keys(state.rng):
     keys_B2 = jax.vmap(jax.random.split)(state.rng)
     rng, key = keys_B2[:, 0], keys_B2[:, 1]
@@ -162,7 +169,7 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
   state = state.replace(rng=rng)
   beams, tree = draft(llm, drafter, state, cfg)
   logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree)
-  verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered)
+  verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
   return commit(state, cache, verdict, hidden_BND, tree, stop_ids,
                 max_new_tokens=cfg.max_new_tokens)
 
@@ -170,33 +177,35 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
 TRACE_COUNT = {"decode": 0}  # incremented when the loop is traced: one trace per static shape
 
 
-@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered"))
+@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered", "greedy"))
 def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *, cfg,
-              cache_size, filtered):
+              cache_size, filtered, greedy):
   return init(nnx.merge(llm_def, llm_state), tokens_BT, lengths_B, params, rng, stop_ids,
               cache_size=cache_size, max_new_tokens=cfg.max_new_tokens,
-              beam_length=cfg.beam_length, filtered=filtered)
+              beam_length=cfg.beam_length, filtered=filtered, greedy=greedy)
 
 
 # The loop is its own program: it depends on (B, S, cfg) but not on the prompt length, so prompts
 # of new lengths only compile the (cheap) prefill again.
-@functools.partial(jax.jit, static_argnames=("llm_def", "drafter_def", "cfg", "filtered"),
-                   donate_argnames=("state",))
+_STATIC = ("llm_def", "drafter_def", "cfg", "filtered", "greedy")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered):
+              filtered, greedy):
   TRACE_COUNT["decode"] += 1
   llm, drafter = nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state)
   return jax.lax.while_loop(
       lambda s: ~jnp.all(s.done_B),
-      lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered), state)
+      lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered, greedy=greedy),
+      state)
 
 
-@functools.partial(jax.jit, static_argnames=("llm_def", "drafter_def", "cfg", "filtered"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def _step_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered):
+              filtered, greedy):
   return step(nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state), state,
-              params, stop_ids, cfg, filtered=filtered)
+              params, stop_ids, cfg, filtered=filtered, greedy=greedy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +254,7 @@ def draft_model(drafter, cfg: DecodeConfig):
 
 def static_config(cfg: DecodeConfig) -> DecodeConfig:
   """``cfg`` without the sampling defaults, which travel as arrays: changing a temperature must
-  not recompile."""
+  not recompile (only whether every row is greedy is static: ``Prepared.greedy``)."""
   return dataclasses.replace(cfg, temperature=0.0, top_p=1.0, top_k=0)
 
 
@@ -260,6 +269,7 @@ class Prepared:
   stop_ids: jax.Array
   cache_size: int
   filtered: bool
+  greedy: bool  # every row has temperature 0 (static: the argmax fast path)
 
 
 def prepare(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg: DecodeConfig,
@@ -286,7 +296,7 @@ def prepare(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg:
   return Prepared(jnp.asarray(tokens_BT), jnp.asarray(lengths_B),
                   sampling.SamplingParams.make(B, temperature, top_p, top_k),
                   jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32), size,
-                  sampling.needs_filter(top_p, top_k))
+                  sampling.needs_filter(top_p, top_k), not np.any(np.asarray(temperature) > 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,14 +306,14 @@ class _Run:
   models: tuple  # (llm_def, llm_state, drafter_def, drafter_state)
   state: DecodeState
   loop_args: tuple  # (params, stop_ids)
-  static: dict  # cfg and filtered
+  static: dict  # cfg, filtered and greedy
 
   @classmethod
   def start(cls, llm, drafter, prompts, cfg, **kwargs) -> "_Run":
     p = prepare(llm, drafter, prompts, cfg, **kwargs)
     llm_def, llm_state = nnx.split(llm)
     drafter_def, drafter_state = nnx.split(draft_model(drafter, cfg))
-    static = dict(cfg=static_config(cfg), filtered=p.filtered)
+    static = dict(cfg=static_config(cfg), filtered=p.filtered, greedy=p.greedy)
     state = _init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
                       cache_size=p.cache_size, **static)
     return cls((llm_def, llm_state, drafter_def, drafter_state), state, (p.params, p.stop_ids),

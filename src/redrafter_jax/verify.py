@@ -11,6 +11,9 @@
 ``reference``: the reference implementation's rule (min(1, P/Q) per beam, then sampling from
   relu(P - Q)); NOT exact for beam-search drafts, kept to compare against.
 
+``greedy``: the argmax walk, which every rule above reduces to when all rows are greedy
+  (temperature 0); one argmax per tree slot instead of a distribution per depth and random draws.
+
 All rules return a ``Verdict`` with static shapes; ``A`` = beam length L.
 """
 
@@ -96,6 +99,29 @@ def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *
   path_BA = jnp.stack(path, axis=1)
   drafted_BA = jnp.stack(drafted + [jnp.zeros((B,), jnp.int32)], axis=1)
   return _assemble(path_BA, num_B, drafted_BA, next_B)
+
+
+def verify_greedy(tree: Tree, logits_BNV, *, beam_length: int) -> Verdict:
+  """Greedy acceptance for a batch whose rows are all greedy: descend into the child whose token
+  is the LLM's argmax (siblings are distinct, so at most one is), then emit the argmax at the end
+  node. Equals ``verify_exact`` at temperature 0 (ties go to the lowest token id in both)."""
+  B = logits_BNV.shape[0]
+  argmax_BN = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)
+  slot_B = jnp.zeros((B,), jnp.int32)
+  alive_B = jnp.ones((B,), bool)
+  num_B = jnp.zeros((B,), jnp.int32)
+  path, drafted = [slot_B], []
+  for _ in range(1, beam_length):
+    match_BN = (_children_mask(tree, slot_B) & alive_B[:, None]
+                & (tree.tokens_BN == _gather_rows(argmax_BN, slot_B)[:, None]))
+    moved_B = match_BN.any(axis=1)
+    slot_B = jnp.where(moved_B, jnp.argmax(match_BN, axis=1).astype(jnp.int32), slot_B)
+    alive_B = alive_B & moved_B
+    num_B = num_B + moved_B
+    path.append(slot_B)
+    drafted.append(_gather_rows(tree.tokens_BN, slot_B))
+  drafted_BA = jnp.stack(drafted + [jnp.zeros((B,), jnp.int32)], axis=1)
+  return _assemble(jnp.stack(path, axis=1), num_B, drafted_BA, _gather_rows(argmax_BN, slot_B))
 
 
 def _gather_rows_v(x_BNV, slot_B):

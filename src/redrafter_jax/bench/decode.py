@@ -57,7 +57,8 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
   llm_def, llm_state = nnx.split(llm)
   d_def, d_state = nnx.split(drafter)
   state = dec._init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
-                        cfg=cfg, cache_size=p.cache_size, filtered=False)
+                        cfg=cfg, cache_size=p.cache_size, filtered=False,
+                        greedy=p.greedy)
 
   @jax.jit
   def draft(llm_state, d_state, state):
@@ -69,7 +70,7 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
 
   @jax.jit
   def accept_commit(state, beams, tree, logits, hidden, cache):
-    verdict = dec.accept(state.rng, beams, tree, logits, p.params, cfg, False)
+    verdict = dec.accept(state.rng, beams, tree, logits, p.params, cfg, False, p.greedy)
     return dec.commit(state, cache, verdict, hidden, tree, p.stop_ids,
                       max_new_tokens=cfg.max_new_tokens)
 
