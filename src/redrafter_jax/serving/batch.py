@@ -114,10 +114,11 @@ def _finish(batch: SlotBatch, old: decode_lib.DecodeState, new: decode_lib.Decod
 
 
 def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig, *,
-              filtered: bool) -> tuple[SlotBatch, StepOut]:
-  """One ReDrafter step (draft, verify, accept, commit) for every slot."""
+              filtered: bool, greedy: bool = False) -> tuple[SlotBatch, StepOut]:
+  """One ReDrafter step (draft, verify, accept, commit) for every slot. ``greedy`` (static) when
+  every active request is greedy; rows' random keys advance the same either way."""
   new = decode_lib.step(llm, drafter, batch.state, batch.params, stop_ids, cfg,
-                        filtered=filtered)
+                        filtered=filtered, greedy=greedy)
   return _finish(batch, batch.state, new, cfg.beam_length)
 
 

@@ -257,10 +257,11 @@ class Engine:
     self._deliver(slot, [first])
 
   def _step(self) -> None:
-    filtered = any(a is not None and a.handle.request.temperature > 0 and (
-        a.handle.request.top_p < 1 or a.handle.request.top_k > 0) for a in self._slots)
+    requests = [a.handle.request for a in self._slots if a is not None]
+    filtered = any(r.temperature > 0 and (r.top_p < 1 or r.top_k > 0) for r in requests)
+    greedy = all(r.temperature <= 0 for r in requests)  # the argmax fast path (own program)
     t0 = time.perf_counter()
-    out = self._place.step(filtered)
+    out = self._place.step(filtered, greedy)
     seconds = time.perf_counter() - t0
     accepted = []
     for slot, active in enumerate(self._slots):

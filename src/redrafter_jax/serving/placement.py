@@ -114,15 +114,16 @@ class Placement:
                            np.int32(top_k), np.int32(max_tokens), self.stop_ids)
     return int(first)
 
-  def step(self, filtered: bool) -> batch_lib.StepOut:
-    """One step for every slot; returns the host copy of what each row gained."""
-    fn = self._step_fns.get(filtered)
+  def step(self, filtered: bool, greedy: bool = False) -> batch_lib.StepOut:
+    """One step for every slot; returns the host copy of what each row gained. ``greedy``: every
+    active request has temperature 0 (a program of its own that accepts by argmax)."""
+    fn = self._step_fns.get((filtered, greedy))
     if fn is None:
-      fn = self._step_fns[filtered] = self._make_step(filtered)
+      fn = self._step_fns[filtered, greedy] = self._make_step(filtered, greedy)
     self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids)
     return jax.device_get(out)
 
-  def _make_step(self, filtered: bool):
+  def _make_step(self, filtered: bool, greedy: bool):
     llm_def, drafter_def = self._llm_def, self._drafter_def
     # Output rows hold up to max_tokens; each request's own limit is applied per row.
     dcfg = dataclasses.replace(decode_lib.static_config(self.config.decode),
@@ -133,7 +134,7 @@ class Placement:
       llm = nnx.merge(llm_def, llm_state)
       if speculative:
         return batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), batch, stop_ids,
-                                   dcfg, filtered=filtered)
+                                   dcfg, filtered=filtered, greedy=greedy)
       return batch_lib.ar_step(llm, batch, stop_ids, filtered=filtered)
 
     return jax.jit(step, donate_argnums=(2,), out_shardings=self._out)
