@@ -296,7 +296,7 @@ def prepare(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg:
   return Prepared(jnp.asarray(tokens_BT), jnp.asarray(lengths_B),
                   sampling.SamplingParams.make(B, temperature, top_p, top_k),
                   jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32), size,
-                  sampling.needs_filter(top_p, top_k), not np.any(np.asarray(temperature) > 0))
+                  sampling.needs_filter(top_p, top_k), sampling.all_greedy(temperature))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -196,5 +196,5 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                   jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32),
                   max_new_tokens=max_new_tokens, cache_size=size,
                   filtered=sampling.needs_filter(top_p, top_k),
-                  greedy=not np.any(np.asarray(temperature) > 0))
+                  greedy=sampling.all_greedy(temperature))
   return Result.from_output(out)

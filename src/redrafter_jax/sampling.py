@@ -79,3 +79,10 @@ def needs_filter(top_p, top_k) -> bool:
   import numpy as np
 
   return bool(np.any(np.asarray(top_p) < 1.0) or np.any(np.asarray(top_k) > 0))
+
+
+def all_greedy(temperature) -> bool:
+  """Host-side check (on Python/NumPy values) whether every row is greedy (temperature 0)."""
+  import numpy as np
+
+  return not np.any(np.asarray(temperature) > 0)

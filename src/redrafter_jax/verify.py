@@ -65,39 +65,52 @@ def _assemble(path_BA, num_B, drafted_BA, next_B) -> Verdict:
                  tokens_BA=tokens_BA.astype(jnp.int32), end_slot_B=end_slot_B.astype(jnp.int32))
 
 
-def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *,
-                 beam_length: int, filtered: bool) -> Verdict:
-  """Exact tree rejection sampling (greedy rows: accept exactly the argmax continuation)."""
-  B, N, V = logits_BNV.shape
-  L = beam_length
-  keys = jax.random.split(rng, L)
-  target = lambda slot_B: sampling.target_logprobs(_gather_rows_v(logits_BNV, slot_B), params,
-                                                   filtered=filtered)
+def _walk(tree: Tree, beam_length: int, accept_child):
+  """Descend the tree from the root, one level per drafted position.
+
+  ``accept_child(d, slot_B, child_BN)`` marks which children ``child_BN`` of the current node
+  (at most one per row) are accepted at depth d. Returns the path (root first), the number of
+  accepted drafts, the accepted drafted tokens (padded by one) and the end slot.
+  """
+  B = tree.tokens_BN.shape[0]
   slot_B = jnp.zeros((B,), jnp.int32)
   alive_B = jnp.ones((B,), bool)
   num_B = jnp.zeros((B,), jnp.int32)
   path, drafted = [slot_B], []
-  for d in range(1, L):
-    logp_BV = target(slot_B)
-    child_BN = _children_mask(tree, slot_B) & alive_B[:, None]
-    p_tok_BN = jnp.where(child_BN, jnp.exp(jnp.take_along_axis(logp_BV, tree.tokens_BN, axis=1)),
-                         0.0)
-    before_BN = jnp.cumsum(p_tok_BN, axis=1) - p_tok_BN  # siblings tried earlier (slot order)
-    cond_BN = p_tok_BN / jnp.maximum(1.0 - before_BN, _TINY)
-    u_BN = jax.random.uniform(keys[d], (B, N))
-    accept_BN = child_BN & (u_BN < cond_BN)
+  for d in range(1, beam_length):
+    accept_BN = accept_child(d, slot_B, _children_mask(tree, slot_B) & alive_B[:, None])
     moved_B = accept_BN.any(axis=1)
     slot_B = jnp.where(moved_B, jnp.argmax(accept_BN, axis=1).astype(jnp.int32), slot_B)
     alive_B = alive_B & moved_B
     num_B = num_B + moved_B
     path.append(slot_B)
     drafted.append(_gather_rows(tree.tokens_BN, slot_B))
+  drafted_BA = jnp.stack(drafted + [jnp.zeros((B,), jnp.int32)], axis=1)
+  return jnp.stack(path, axis=1), num_B, drafted_BA, slot_B
+
+
+def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *,
+                 beam_length: int, filtered: bool) -> Verdict:
+  """Exact tree rejection sampling (greedy rows: accept exactly the argmax continuation)."""
+  B, N, V = logits_BNV.shape
+  keys = jax.random.split(rng, beam_length)
+  target = lambda slot_B: sampling.target_logprobs(_gather_rows_v(logits_BNV, slot_B), params,
+                                                   filtered=filtered)
+
+  def accept_child(d, slot_B, child_BN):
+    logp_BV = target(slot_B)
+    p_tok_BN = jnp.where(child_BN, jnp.exp(jnp.take_along_axis(logp_BV, tree.tokens_BN, axis=1)),
+                         0.0)
+    before_BN = jnp.cumsum(p_tok_BN, axis=1) - p_tok_BN  # siblings tried earlier (slot order)
+    cond_BN = p_tok_BN / jnp.maximum(1.0 - before_BN, _TINY)
+    u_BN = jax.random.uniform(keys[d], (B, N))
+    return child_BN & (u_BN < cond_BN)
+
+  path_BA, num_B, drafted_BA, slot_B = _walk(tree, beam_length, accept_child)
   # The next token comes from what is left of P at the end node: its tree children were all
   # rejected (or it has none), so they are removed before sampling.
   logp_BV = _remove_tokens(target(slot_B), tree.tokens_BN, _children_mask(tree, slot_B))
   next_B = sampling.sample(keys[0], logp_BV)
-  path_BA = jnp.stack(path, axis=1)
-  drafted_BA = jnp.stack(drafted + [jnp.zeros((B,), jnp.int32)], axis=1)
   return _assemble(path_BA, num_B, drafted_BA, next_B)
 
 
@@ -105,23 +118,13 @@ def verify_greedy(tree: Tree, logits_BNV, *, beam_length: int) -> Verdict:
   """Greedy acceptance for a batch whose rows are all greedy: descend into the child whose token
   is the LLM's argmax (siblings are distinct, so at most one is), then emit the argmax at the end
   node. Equals ``verify_exact`` at temperature 0 (ties go to the lowest token id in both)."""
-  B = logits_BNV.shape[0]
   argmax_BN = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)
-  slot_B = jnp.zeros((B,), jnp.int32)
-  alive_B = jnp.ones((B,), bool)
-  num_B = jnp.zeros((B,), jnp.int32)
-  path, drafted = [slot_B], []
-  for _ in range(1, beam_length):
-    match_BN = (_children_mask(tree, slot_B) & alive_B[:, None]
-                & (tree.tokens_BN == _gather_rows(argmax_BN, slot_B)[:, None]))
-    moved_B = match_BN.any(axis=1)
-    slot_B = jnp.where(moved_B, jnp.argmax(match_BN, axis=1).astype(jnp.int32), slot_B)
-    alive_B = alive_B & moved_B
-    num_B = num_B + moved_B
-    path.append(slot_B)
-    drafted.append(_gather_rows(tree.tokens_BN, slot_B))
-  drafted_BA = jnp.stack(drafted + [jnp.zeros((B,), jnp.int32)], axis=1)
-  return _assemble(jnp.stack(path, axis=1), num_B, drafted_BA, _gather_rows(argmax_BN, slot_B))
+
+  def accept_child(d, slot_B, child_BN):
+    return child_BN & (tree.tokens_BN == _gather_rows(argmax_BN, slot_B)[:, None])
+
+  path_BA, num_B, drafted_BA, slot_B = _walk(tree, beam_length, accept_child)
+  return _assemble(path_BA, num_B, drafted_BA, _gather_rows(argmax_BN, slot_B))
 
 
 def _gather_rows_v(x_BNV, slot_B):
