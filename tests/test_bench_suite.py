@@ -55,7 +55,7 @@ def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, ca
   # The two shortest of the first prompts of each category (p1 and p3 are not first).
   assert sorted(data["runs"]) == ["p0", "p4"]
   sampled = {"ar_T0.7", "redrafter_exact_T0.7_W4_L5", "redrafter_typical_T0.7_W4_L5"}
-  keys = {"ar_greedy", "transformers_greedy", "redrafter_W1_L4", "redrafter_W4_L5",
+  keys = {"ar_greedy", "transformers_greedy", "redrafter_W1_L4_lookup3", "redrafter_W4_L5",
           "prompt_lookup_10"} | sampled
   for pid, runs in data["runs"].items():
     assert set(runs) == keys
@@ -66,7 +66,7 @@ def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, ca
     for key in keys - sampled:
       assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"], key  # greedy is exact
     assert sum(runs["redrafter_W4_L5"]["accepted_histogram"]) == runs["redrafter_W4_L5"]["steps"]
-  assert set(data["step_split"]) == {"redrafter_W1_L4", "redrafter_W4_L5"}
+  assert set(data["step_split"]) == {"redrafter_W1_L4_lookup3", "redrafter_W4_L5"}
   assert set(data["batch"]) == {"1", "3"}
   b3 = data["batch"]["3"]["redrafter_W4_L5"]
   assert len(b3["row_tokens"]) == 3 and b3["new_tokens"] == sum(b3["row_tokens"])
@@ -78,7 +78,7 @@ def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, ca
 
   # Resume: drop one run and one step split; only those two are measured again.
   removed = data["runs"]["p4"].pop("redrafter_W4_L5")
-  del data["step_split"]["redrafter_W1_L4"]
+  del data["step_split"]["redrafter_W1_L4_lookup3"]
   (folder / "measurements.json").write_text(json.dumps(data))
   calls = []
   measure, real_split = _runner.Runner.measure, bench_decode.step_split
@@ -169,8 +169,9 @@ def test_gpu_mode_fails_clearly_without_a_gpu(tiny, tmp_path, capsys):
 
 
 def test_bad_arguments_are_rejected(capsys):
-  for args in (["--beams", "4"], ["--beams", "4x1"], ["--temperatures", "0"],
-               ["--per-category", "0"], ["--batch-sizes", "a"]):
+  for args in (["--beams", "4"], ["--beams", "4x1"], ["--beams", "1x4+x"], ["--beams", "1x4+9"],
+               ["--main-beams", "2x"], ["--temperatures", "0"], ["--per-category", "0"],
+               ["--batch-sizes", "a"]):
     with pytest.raises(SystemExit) as e:
       suite.parse_args(args)
     assert e.value.code == 2
@@ -200,7 +201,13 @@ def test_presets_fill_only_what_was_not_given():
   o = suite.parse_args([])
   assert (o.dtype, o.attention, o.batch_sizes, o.per_category) == ("float32", "xla", [], 1)
   o = suite.parse_args(["--gpu", "--batch-sizes", "2", "--beams", "3x3"])
-  assert (o.dtype, o.attention, o.batch_sizes, o.beams) == ("bfloat16", "cudnn", [2], [(3, 3)])
+  assert (o.dtype, o.attention, o.batch_sizes, o.beams) == ("bfloat16", "cudnn", [2],
+                                                             [bench_decode.Beams(3, 3)])
+  o = suite.parse_args(["--beams", "1x4+3, 2x5", "--main-beams", "1x6+2"])
+  assert o.beams == [bench_decode.Beams(1, 4, 3), bench_decode.Beams(2, 5)]
+  assert o.main_beams == bench_decode.Beams(1, 6, 2)
+  assert [m.key for m in suite.build_methods(o) if m.temperature == 0 and m.beam_width] == [
+      "redrafter_W1_L4_lookup3", "redrafter_W2_L5"]
   assert suite.parse_args(["--gpu"]).batch_sizes == [1, 2, 4, 8, 16]
   o = suite.parse_args(["--quick", "--max-new-tokens", "7"])
   assert (o.max_new_tokens, o.per_category, o.temperatures) == (7, 1, [0.7])
@@ -234,5 +241,5 @@ def test_quick_suite_on_smollm2(spec_bench_path, tmp_path):
   assert len(data["runs"]) == 2
   for runs in data["runs"].values():
     assert len(runs) == 8
-    for key in ("redrafter_W1_L4", "redrafter_W4_L5"):
+    for key in ("redrafter_W1_L4_lookup3", "redrafter_W4_L5"):
       assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"]

@@ -123,8 +123,9 @@ def test_random_drafter(smollm2, prompts, ar, random_drafter, W, L, batch, count
 
 @pytest.mark.parametrize("batch,W,L", [(1, None, None), (4, 4, 5)])
 def test_shipped_drafter_is_exact_and_accepted(smollm2, prompts, ar, batch, W, L):
-  """The trained drafter in checkpoints/ loads and decodes (with its recommended settings, and
-  with a W=4 tree); greedy output equals AR, and its drafts are accepted: more than 1.15 tokens
+  """The trained drafter in checkpoints/ loads and decodes (with its recommended settings, the
+  context-lookup beam included, and with a W=4 tree of drafter beams only); greedy output equals
+  AR, and its drafts are accepted: more than 1.15 tokens
   per step (measured 1.36 at W=1 L=4 and 1.49 at W=4 L=4 on Spec-Bench; a random drafter stays at
   ~1.0)."""
   model = smollm2[0]
@@ -132,6 +133,7 @@ def test_shipped_drafter_is_exact_and_accepted(smollm2, prompts, ar, batch, W, L
   d = decode_defaults(path)
   cfg = DecodeConfig(beam_width=W or d["beam_width"], beam_length=L or d["beam_length"],
                      token_budget=d.get("token_budget") if W is None else None,
+                     lookup_ngram=d.get("lookup_ngram", 0) if W is None else 0,
                      draft_vocab_size=d.get("draft_vocab_size", 0), max_new_tokens=NEW,
                      cache_size=CACHE)
   drafter = load_drafter(path)

@@ -82,14 +82,17 @@ def run_concurrently(engine, requests, timeout=300.0):
   return [done[i] for i in range(len(requests))], deltas
 
 
-@pytest.mark.parametrize("kind", ["random", "self", "ar"])
+@pytest.mark.parametrize("kind", ["random", "self", "ar", "lookup"])
 def test_concurrent_greedy_equals_decode(llm, tok, random_drafter, reference, self_engine, kind):
-  """16 requests of different lengths through 4 slots: queueing, slot reuse, no cross-talk."""
+  """16 requests of different lengths through 4 slots: queueing, slot reuse, no cross-talk
+  (``lookup``: the random drafter plus the context-lookup beam, whose context each slot keeps)."""
   if kind == "self":
     engine = self_engine
   else:
-    cfg = ECFG if kind == "random" else dataclasses.replace(ECFG, speculative=False)
-    engine = Engine(llm, tok, random_drafter if kind == "random" else None, config=cfg,
+    cfg = {"random": ECFG, "ar": dataclasses.replace(ECFG, speculative=False),
+           "lookup": dataclasses.replace(ECFG, decode=dataclasses.replace(DCFG, lookup_ngram=2))
+           }[kind]
+    engine = Engine(llm, tok, None if kind == "ar" else random_drafter, config=cfg,
                     stop_ids=[EOS]).start()
   try:
     reqs = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]

@@ -103,6 +103,17 @@ def test_exact_rule_matches_ar_distribution_and_reference_rule_fails(llm, drafte
   assert chi_square_pvalue(wrong.tokens, probs) < 1e-8
 
 
+def test_exact_rule_with_lookup_beam_matches_ar_distribution(llm, drafter):
+  """The context-lookup beam joins the tree: sampling stays exact."""
+  setting = SETTINGS[0]
+  probs = exact_ar_probs(llm, **setting)
+  cfg = DecodeConfig(beam_width=1, beam_length=3, max_new_tokens=K, lookup_ngram=2)
+  r = decode(llm, drafter, [PROMPT] * N_SAMPLES, cfg, seed=3, **setting)
+  assert r.metrics["mean_unique_tokens"] > 3.2  # the lookup beam often adds nodes of its own
+  assert r.metrics["accepted_tokens"] > N_SAMPLES // 4
+  assert chi_square_pvalue(r.tokens, probs) > 1e-4
+
+
 def test_typical_acceptance_at_temperature_zero_is_greedy(llm, drafter):
   prompts = [PROMPT, [5, 6], [7]]
   ar = generate(llm, prompts, max_new_tokens=12)

@@ -220,7 +220,10 @@ class DecodeConfig:
   acceptance: str = "exact"  # used when temperature > 0: exact | typical | reference
   typical_eps: float = 0.09
   typical_delta: float = 0.3
-  token_budget: int | None = None  # N; None means W*(L-1)+1 (never truncates the tree)
+  token_budget: int | None = None  # N; None means beams*(L-1)+1 (never truncates the tree)
+  # One more beam copied from the context after the latest match of its last 1..n tokens
+  # (prompt lookup; ``lookup.py``); 0 = off. Exact: the tree is verified as usual.
+  lookup_ngram: int = 0
   # Draft only the K most frequent tokens (the drafter's token ranking); 0 = the whole vocab.
   draft_vocab_size: int = 0
   cache_size: int | None = None  # S; None means prompt + max_new_tokens + L, rounded up
@@ -250,19 +253,31 @@ class DecodeConfig:
     if self.draft_vocab_size and self.draft_vocab_size < self.beam_width:
       raise ConfigError(f"draft_vocab_size ({self.draft_vocab_size}) must be >= beam_width "
                         f"({self.beam_width})")
+    if not isinstance(self.lookup_ngram, int) or not 0 <= self.lookup_ngram <= 8:
+      raise ConfigError(f"lookup_ngram must be an integer in [0, 8] (0 = off), got "
+                        f"{self.lookup_ngram!r}")
+    if self.lookup_ngram and self.acceptance == "reference":
+      raise ConfigError("acceptance='reference' needs a drafter distribution for every beam; "
+                        "the context-lookup beam has none: set lookup_ngram=0")
     if self.token_budget is not None:
       lo = self.beam_length
-      hi = self.beam_width * (self.beam_length - 1) + 1
+      hi = self.num_beams * (self.beam_length - 1) + 1
       if not lo <= self.token_budget <= hi:
         raise ConfigError(
             f"token_budget must be in [{lo}, {hi}] for beam_width={self.beam_width}, "
-            f"beam_length={self.beam_length} (one full beam must fit), got {self.token_budget}")
+            f"beam_length={self.beam_length}, lookup_ngram={self.lookup_ngram} (one full beam "
+            f"must fit), got {self.token_budget}")
+
+  @property
+  def num_beams(self) -> int:
+    """Beams in the tree: the drafter's W, plus the context-lookup beam when on."""
+    return self.beam_width + (1 if self.lookup_ngram else 0)
 
   @property
   def num_tree_tokens(self) -> int:
     if self.token_budget is not None:
       return self.token_budget
-    return self.beam_width * (self.beam_length - 1) + 1
+    return self.num_beams * (self.beam_length - 1) + 1
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> "DecodeConfig":

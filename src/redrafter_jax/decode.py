@@ -2,6 +2,7 @@
 
 One step for every row at once (static shapes, no host sync):
   1. draft   beam search over the drafter from (h, g0)                       -> beams [B, W, L]
+             (+ one beam copied from the context when ``cfg.lookup_ngram``: ``lookup``)
   2. pack    de-duplicate prefixes into a tree of N slots                     -> tokens, mask
   3. verify  one LLM forward over the N tree tokens against the cache        -> logits, hidden
   4. accept  the acceptance rule picks a path and the next token g0
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx, struct
 
 from redrafter_jax import kv_cache as kvc
-from redrafter_jax import sampling, tree as tree_lib, verify as verify_lib
+from redrafter_jax import lookup, sampling, tree as tree_lib, verify as verify_lib
 from redrafter_jax.beam_search import BeamOutput, beam_search
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.generate import (GenerateError, Output, cache_size_for, check_sampling,
@@ -55,6 +56,7 @@ class DecodeState:
   cache: kvc.KVCache
   g0_B: jax.Array  # the LLM's newest token, not yet in the cache (the beams' root)
   h_BD: jax.Array  # LLM hidden state at the last committed token (the drafter's context)
+  context_BS: jax.Array  # token at each position: prompt, committed tokens, g0 at cache length
   out: Output
   done_B: jax.Array
   rng: jax.Array
@@ -75,12 +77,21 @@ def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
     g0_B = sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
   out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), g0_B[:, None],
                        jnp.ones((B,), jnp.int32), stop_ids, max_new_tokens)
-  return DecodeState(cache, g0_B, h_BD, out, done_B, rng, Metrics.zeros(B, beam_length))
+  context_BS = start_context(tokens_BT, lengths_B, g0_B, cache_size)
+  return DecodeState(cache, g0_B, h_BD, context_BS, out, done_B, rng,
+                     Metrics.zeros(B, beam_length))
+
+
+def start_context(tokens_BT, lengths_B, g0_B, size: int) -> jax.Array:
+  """The prompt tokens then g0 at position ``length``, in ``size`` positions."""
+  context_BS = jnp.zeros((tokens_BT.shape[0], size), jnp.int32)
+  context_BS = context_BS.at[:, :tokens_BT.shape[1]].set(tokens_BT.astype(jnp.int32))
+  return lookup.write(context_BS, lengths_B, g0_B[:, None], jnp.ones_like(lengths_B))
 
 
 def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig
           ) -> tuple[BeamOutput, tree_lib.Tree]:
-  """Beams from the drafter, packed into a tree.
+  """Beams from the drafter (and the context lookup, when on), packed into a tree.
 
   Any NNX module with a ``propose(llm, state, cfg) -> BeamOutput`` method can stand in for the
   drafter: the tests use an oracle that proposes the true continuation with planted errors.
@@ -91,8 +102,22 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig
     beams = beam_search(drafter, llm.embed_tokens.embedding[...], state.h_BD, state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
                         return_full=cfg.acceptance == "reference")
+  if cfg.lookup_ngram:
+    beams = with_lookup_beam(beams, state, cfg.lookup_ngram)
   prefix_logp_BWL = jnp.pad(jnp.cumsum(beams.logp_BWL1, axis=2), ((0, 0), (0, 0), (1, 0)))
   return beams, tree_lib.pack(beams.beams_BWL, cfg.num_tree_tokens, prefix_logp_BWL)
+
+
+def with_lookup_beam(beams: BeamOutput, state: DecodeState, max_ngram: int) -> BeamOutput:
+  """Append the context-lookup beam as beam W. Its drafted tokens get log-prob 0, so the tree
+  packs it first (a copy that matches is usually right); with no match it repeats beam 0 and
+  de-duplicates to nothing."""
+  beam_BL, _ = lookup.lookup_beam(state.context_BS, state.cache.lengths_B, beams.beams_BWL[:, 0],
+                                  max_ngram=max_ngram)
+  B, _, L1 = beams.logp_BWL1.shape
+  return BeamOutput(beams_BWL=jnp.concatenate([beams.beams_BWL, beam_BL[:, None]], axis=1),
+                    logp_BWL1=jnp.concatenate([beams.logp_BWL1, jnp.zeros((B, 1, L1))], axis=1),
+                    score_BW=jnp.concatenate([beams.score_BW, jnp.zeros((B, 1))], axis=1))
 
 
 def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree):
@@ -141,6 +166,8 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
   next_B = jax.vmap(lambda t, n: t[n])(verdict.tokens_BA, verdict.num_accepted_B)
   out, done_B = record(state.out, state.done_B, verdict.tokens_BA, count_B, stop_ids,
                        max_new_tokens)
+  context_BS = lookup.write(state.context_BS, state.cache.lengths_B + 1, verdict.tokens_BA,
+                            jnp.where(active_B, count_B, 0))
   m = state.metrics
   on = active_B.astype(jnp.int32)
   L = m.accept_hist_BL.shape[1]
@@ -155,8 +182,8 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
       beam_tokens_B=m.beam_tokens_B + on * (W * L))
   keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   return DecodeState(cache=cache, g0_B=keep(next_B, state.g0_B), h_BD=keep(h_BD, state.h_BD),
-                     out=out.replace(steps=out.steps + 1), done_B=done_B, rng=state.rng,
-                     metrics=metrics)
+                     context_BS=context_BS, out=out.replace(steps=out.steps + 1), done_B=done_B,
+                     rng=state.rng, metrics=metrics)
 
 
 def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.SamplingParams,

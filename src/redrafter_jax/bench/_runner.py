@@ -56,8 +56,7 @@ class Runner:
     self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
     # Restrict the draft vocabulary once, not inside every timed call.
     self.drafter = dec.draft_model(drafter, DecodeConfig(draft_vocab_size=o.draft_vocab))
-    beams = o.beams + [o.main_beams]
-    self.scratch = max(l + w * (l - 1) + 1 for w, l in beams)
+    self.scratch = max(b.length + b.config().num_tree_tokens for b in o.beams + [o.main_beams])
     self.forwards = [0]
     if hf is not None:  # transformers' forward calls: its tokens/step
       hf.register_forward_hook(lambda *_: self.forwards.__setitem__(0, self.forwards[0] + 1))
@@ -86,7 +85,6 @@ class Runner:
 
   def call(self, m, prompts, cache_size: int, seed: int):
     from redrafter_jax import decode as dec
-    from redrafter_jax.config import DecodeConfig
     from redrafter_jax.generate import generate
 
     o = self.o
@@ -95,10 +93,9 @@ class Runner:
                    seed=seed, stop_ids=self.stops, cache_size=cache_size)
       return r.tokens, dict(steps=r.steps, tokens_per_step=1.0)
     if m.kind == "redrafter":
-      cfg = DecodeConfig(beam_width=m.beam_width, beam_length=m.beam_length,
-                         max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab,
-                         acceptance="exact" if m.acceptance == "greedy" else m.acceptance,
-                         cache_size=cache_size)
+      cfg = m.beams.config(max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab,
+                           acceptance="exact" if m.acceptance == "greedy" else m.acceptance,
+                           cache_size=cache_size)
       r = dec.decode(self.llm, self.drafter, prompts, cfg, seed=seed, stop_ids=self.stops,
                      temperature=m.temperature)
       s = r.metrics

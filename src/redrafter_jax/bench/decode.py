@@ -10,6 +10,7 @@ accept + commit), measured on a real prefilled state, with the overhead ratio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -27,6 +28,49 @@ from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).resolve().parents[3].parent / "shared/data/spec_bench.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Beams:
+  """A tree setting, written ``WxL`` (W drafter beams of length L, g0 included) or ``WxL+N``
+  (plus the context-lookup beam matching up to N tokens: ``DecodeConfig.lookup_ngram``)."""
+
+  width: int
+  length: int
+  lookup: int = 0
+
+  @classmethod
+  def parse_list(cls, text: str) -> list["Beams"]:
+    """Comma-separated settings; ValueError with the expected form when one is malformed."""
+    out = []
+    for item in (t.strip().lower() for t in text.split(",")):
+      if not item:
+        continue
+      try:
+        wl, _, n = item.partition("+")
+        w, l = (int(x) for x in wl.split("x"))
+        b = cls(w, l, int(n) if n else 0)
+      except ValueError:
+        b = None
+      if b is None or b.width < 1 or b.length < 2 or not 0 <= b.lookup <= 8:
+        raise ValueError(f"want WxL or WxL+N settings with W >= 1, L >= 2 (L counts g0) and "
+                         f"lookup n-gram N <= 8, e.g. 4x4,1x4+3; got {item!r}")
+      out.append(b)
+    if not out:
+      raise ValueError(f"no WxL setting in {text!r}")
+    return out
+
+  @property
+  def key(self) -> str:
+    return f"W{self.width}_L{self.length}" + (f"_lookup{self.lookup}" if self.lookup else "")
+
+  @property
+  def label(self) -> str:
+    return f"W={self.width} L={self.length}" + (f" + lookup {self.lookup}" if self.lookup else "")
+
+  def config(self, **kwargs) -> DecodeConfig:
+    return DecodeConfig(beam_width=self.width, beam_length=self.length,
+                        lookup_ngram=self.lookup, **kwargs)
 
 
 def load_prompts(path, tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -113,12 +157,19 @@ def main(argv=None) -> int:
   ap.add_argument("--num-prompts", type=int, default=8)
   ap.add_argument("--max-prompt-tokens", type=int, default=512)
   ap.add_argument("--max-new-tokens", type=int, default=96)
-  ap.add_argument("--beams", default="4x4,8x5", help="comma-separated WxL settings")
+  ap.add_argument("--beams", default="4x4,8x5",
+                  help="comma-separated WxL settings; WxL+N adds the context-lookup beam "
+                       "(n-grams up to N)")
   ap.add_argument("--draft-vocab", type=int, default=None,
                   help="draft vocabulary size (0 = all; default: the drafter's decode.json, else all)")
-  ap.add_argument("--budget", type=int, default=0, help="tree token budget N (0 = W*(L-1)+1)")
+  ap.add_argument("--budget", type=int, default=0,
+                  help="tree token budget N (0 = beams*(L-1)+1)")
   ap.add_argument("--repeat", type=int, default=10, help="repeats for the step split")
   args = ap.parse_args(argv)
+  try:
+    settings = Beams.parse_list(args.beams)
+  except ValueError as e:
+    ap.error(f"--beams: {e}")
   args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
 
   llm, llm_cfg = load_llama(args.model)
@@ -126,10 +177,8 @@ def main(argv=None) -> int:
   stops = stop_token_ids(tok)
   drafter = load_drafter_arg(args.drafter, llm_cfg, args.exit_dim)
   prompts = load_prompts(args.prompts, tok, args.num_prompts, args.max_prompt_tokens)
-  settings = [tuple(int(x) for x in s.split("x")) for s in args.beams.split(",")]
-  cfgs = [DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=args.max_new_tokens,
-                       draft_vocab_size=args.draft_vocab, token_budget=args.budget or None)
-          for W, L in settings]
+  cfgs = [b.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab,
+                   token_budget=args.budget or None) for b in settings]
   print(f"# {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, "
         f"greedy, batch 1, drafter={args.drafter}, draft_vocab={args.draft_vocab or 'all'}, "
         f"device={jax.devices()[0].platform}")
@@ -157,17 +206,17 @@ def main(argv=None) -> int:
   print("\n| decoder | tokens/s | speedup vs AR | tokens/step | tree tokens (packed / beams) |")
   print("|---|---|---|---|---|")
   print(f"| AR greedy | {ar_tps:.1f} | 1.00x | 1.00 | - |")
-  for cfg in cfgs:
+  for b, cfg in zip(settings, cfgs):
     n, secs, steps, acc, tree, _ = totals[cfg]
-    W, L = cfg.beam_width, cfg.beam_length
-    print(f"| ReDrafter W={W} L={L} | {n / secs:.1f} | {n / secs / ar_tps:.2f}x | "
-          f"{(acc + steps) / max(steps, 1):.2f} | {tree / max(steps, 1):.1f} / {W * L} |")
-  print("\n| W | L | N | draft (beam search + pack) ms | verify forward ms | accept+commit ms "
+    print(f"| ReDrafter {b.label} | {n / secs:.1f} | {n / secs / ar_tps:.2f}x | "
+          f"{(acc + steps) / max(steps, 1):.2f} | {tree / max(steps, 1):.1f} / "
+          f"{cfg.num_beams * cfg.beam_length} |")
+  print("\n| setting | N | draft (beam search + pack) ms | verify forward ms | accept+commit ms "
         "| overhead / verify |")
-  print("|---|---|---|---|---|---|---|")
-  for cfg in cfgs:
+  print("|---|---|---|---|---|---|")
+  for b, cfg in zip(settings, cfgs):
     s = step_split(llm, drafter, prompts[0], cfg, args.repeat)
-    print(f"| {cfg.beam_width} | {cfg.beam_length} | {cfg.num_tree_tokens} | {s['draft_ms']:.1f} "
+    print(f"| {b.label} | {cfg.num_tree_tokens} | {s['draft_ms']:.1f} "
           f"| {s['verify_ms']:.1f} | {s['accept_commit_ms']:.1f} | "
           f"{100 * s['overhead_vs_verify']:.0f}% |")
   return 0

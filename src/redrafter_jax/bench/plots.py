@@ -1,6 +1,7 @@
 """``python -m redrafter_jax.bench plots FOLDER``: the suite's PNG plots from its measurements.json.
 
 speedup_vs_beam_width.png     greedy speedup over our AR and tokens/step against W, one line per L
+                              (and per L with the context-lookup beam)
 accepted_length_histogram.png share of steps accepting k drafted tokens, per greedy setting
 step_split.png                draft / verify / accept+commit ms of one step, per setting
 batch_throughput.png          total and per-request tokens/s against batch size (if measured)
@@ -50,12 +51,16 @@ def speedup_vs_width(folder, data) -> str:
   runs, methods = data["runs"], data["methods"]
   plt, fig, (ax_s, ax_t) = _figure(2)
   keys = with_runs(data, lambda m: m["kind"] == "redrafter" and m["temperature"] == 0)
-  for L in sorted({methods[k]["beam_length"] for k in keys}):
+  line_of = lambda k: (methods[k]["beam_length"], methods[k].get("lookup_ngram", 0))
+  for L, n in sorted({line_of(k) for k in keys}):
     pts = sorted((methods[k]["beam_width"], speedup(runs, k, GREEDY_AR),
                   tokens_per_step(runs, k, measured(runs, k)))
-                 for k in keys if methods[k]["beam_length"] == L)
-    ax_s.plot([p[0] for p in pts], [p[1] or 0 for p in pts], "o-", label=f"L={L}")
-    ax_t.plot([p[0] for p in pts], [p[2] or 0 for p in pts], "o-", label=f"L={L}")
+                 for k in keys if line_of(k) == (L, n))
+    label = f"L={L}" + (f" + lookup {n}" if n else "")
+    ax_s.plot([p[0] for p in pts], [p[1] or 0 for p in pts], "o-" if not n else "s--",
+              label=label)
+    ax_t.plot([p[0] for p in pts], [p[2] or 0 for p in pts], "o-" if not n else "s--",
+              label=label)
   lookup = with_runs(data, lambda m: m["kind"] == "prompt_lookup")
   if keys and lookup and speedup(runs, lookup[0], HF_GREEDY):
     ax_s.axhline(speedup(runs, lookup[0], HF_GREEDY), color="gray", ls="--",

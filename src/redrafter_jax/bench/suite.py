@@ -4,8 +4,9 @@ On the same prompts, machine and run, INTERLEAVED prompt by prompt (every method
 prompt before the next prompt starts, so drift in machine load hits all methods alike):
 
   our AR         ``generate``: greedy, and sampled at each ``--temperatures`` value
-  ReDrafter      ``decode``: greedy at each ``--beams`` (W, L); exact sampling at each temperature
-                 and typical acceptance (lossy) at ``--typical-temperature``, at ``--main-beams``
+  ReDrafter      ``decode``: greedy at each ``--beams`` (W, L; ``WxL+N`` adds the context-lookup
+                 beam); exact sampling at each temperature and typical acceptance (lossy) at
+                 ``--typical-temperature``, at ``--main-beams``
   transformers   PyTorch greedy ``generate`` on the same GGUF, and its prompt-lookup assisted
                  generation (the peers a user would try first on this model)
 
@@ -15,7 +16,7 @@ tokens/s is new tokens over the wall time of the whole call (prefill included). 
 which JAX compiled anything is timed again, so compilation never counts. Each prompt gets one
 static cache size (its need rounded up to 512 slots) shared by all our methods, which keeps
 recompilation rare.
-Then, per greedy (W, L): the draft / verify / accept+commit split of one step
+Then, per greedy setting: the draft / verify / accept+commit split of one step
 (``bench.decode.step_split``); and with ``--batch-sizes`` (default with ``--gpu``) our AR and
 ReDrafter at batch sizes 1..16 (per-request and total tokens/s).
 
@@ -40,16 +41,17 @@ import zlib
 
 from redrafter_jax.bench._runner import Runner, environment, load_models
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
+from redrafter_jax.bench.decode import Beams
 
 # CPU defaults: a full run stays well under an hour on 2 idle cores (13 prompts x 12 methods;
 # --per-category 2 roughly doubles the measuring). On CPU the verify forward grows with the tree
 # (W=16 L=5, 65 tokens, costs about 4 AR steps), so wide trees do not pay there; the GPU preset
 # sweeps them.
-FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,4x4,8x5,16x5", main_beams="4x5",
+FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,1x4+3,4x4,8x5,16x5", main_beams="4x5",
             temperatures="0.7,1.0", split_repeat=10)
 GPU = dict(beams="1x4,4x4,8x4,4x5,8x5,16x5", main_beams="8x5", batch_sizes="1,2,4,8,16")
 # --quick: the two shortest of the first prompts of each category, few tokens, fewer settings.
-QUICK = dict(per_category=1, max_new_tokens=16, beams="1x4,4x5", main_beams="4x5",
+QUICK = dict(per_category=1, max_new_tokens=16, beams="1x4+3,4x5", main_beams="4x5",
              temperatures="0.7", split_repeat=2)
 QUICK_PROMPTS = 2
 
@@ -68,6 +70,17 @@ class Method:
   beam_length: int = 0
   acceptance: str = "greedy"  # greedy | exact | typical
   reference: str = "ar_greedy"  # our AR at the same temperature: the speedup baseline
+  lookup_ngram: int = 0  # the context-lookup beam's n-gram size (0: none)
+
+  @classmethod
+  def redrafter(cls, b: Beams, prefix: str = "", label: str = "", temperature: float = 0.0,
+                acceptance: str = "greedy", reference: str = "ar_greedy") -> "Method":
+    return cls(f"redrafter_{prefix}{b.key}", f"ReDrafter {label}{b.label}", "redrafter",
+               temperature, b.width, b.length, acceptance, reference, b.lookup)
+
+  @property
+  def beams(self) -> Beams:
+    return Beams(self.beam_width, self.beam_length, self.lookup_ngram)
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -86,8 +99,9 @@ def parse_args(argv) -> argparse.Namespace:
                  f"(default {FULL['per_category']})")
   p.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results root")
-  p.add_argument("--beams", help=f"greedy ReDrafter settings WxL (default {FULL['beams']})")
-  p.add_argument("--main-beams", help="WxL of the sampling runs and the batch sweep "
+  p.add_argument("--beams", help=f"greedy ReDrafter settings WxL, or WxL+N with the "
+                 f"context-lookup beam (n-grams up to N) (default {FULL['beams']})")
+  p.add_argument("--main-beams", help="WxL[+N] of the sampling runs and the batch sweep "
                  f"(default {FULL['main_beams']})")
   p.add_argument("--temperatures", help=f"exact-sampling temperatures (default "
                  f"{FULL['temperatures']})")
@@ -144,27 +158,22 @@ def parse_args(argv) -> argparse.Namespace:
   return o
 
 
-def parse_beams(p, flag: str, text: str) -> list[tuple[int, int]]:
+def parse_beams(p, flag: str, text: str) -> list[Beams]:
   try:
-    out = [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",") if s.strip()]
-  except ValueError:
-    out = []
-  if not out or any(len(s) != 2 or s[0] < 1 or s[1] < 2 for s in out):
-    p.error(f"{flag} wants WxL settings with W >= 1, L >= 2 (L counts g0), e.g. 4x4,8x5; "
-            f"got {text!r}")
-  return out
+    return Beams.parse_list(text)
+  except ValueError as e:
+    p.error(f"{flag}: {e}")
 
 
 def build_methods(o) -> list[Method]:
   """Every measured method, in the order they run on each prompt."""
   fmt = lambda t: f"{t:g}"
-  W, L = o.main_beams
+  main = o.main_beams
   sampled = sorted(set(o.temperatures) | ({o.typical_temperature} - {0.0}))
   out = [Method("ar_greedy", "our AR greedy", "ar")]
   if not o.no_transformers:
     out.append(Method("transformers_greedy", "transformers greedy", "transformers"))
-  out += [Method(f"redrafter_W{w}_L{l}", f"ReDrafter W={w} L={l}", "redrafter", 0.0, w, l)
-          for w, l in o.beams]
+  out += [Method.redrafter(b) for b in o.beams]
   if not o.no_transformers:
     n = o.prompt_lookup_tokens
     out.append(Method(f"prompt_lookup_{n}", f"transformers prompt lookup ({n})", "prompt_lookup"))
@@ -172,13 +181,12 @@ def build_methods(o) -> list[Method]:
     ref = f"ar_T{fmt(t)}"
     out.append(Method(ref, f"our AR T={fmt(t)}", "ar", t, reference=ref))
     if t in o.temperatures:
-      out.append(Method(f"redrafter_exact_T{fmt(t)}_W{W}_L{L}",
-                        f"ReDrafter exact T={fmt(t)} (W={W} L={L})", "redrafter", t, W, L,
-                        "exact", ref))
+      out.append(Method.redrafter(main, f"exact_T{fmt(t)}_", f"exact T={fmt(t)} ", t, "exact",
+                                  ref))
     if t == o.typical_temperature:
-      out.append(Method(f"redrafter_typical_T{fmt(t)}_W{W}_L{L}",
-                        f"ReDrafter typical T={fmt(t)} (W={W} L={L}), LOSSY", "redrafter", t, W,
-                        L, "typical", ref))
+      m = Method.redrafter(main, f"typical_T{fmt(t)}_", f"typical T={fmt(t)} ", t, "typical",
+                           ref)
+      out.append(dataclasses.replace(m, label=m.label + ", LOSSY"))
   return out
 
 
@@ -238,7 +246,6 @@ def run(o) -> pathlib.Path:
   from redrafter_jax.bench import report
   from redrafter_jax.bench.decode import step_split
   from redrafter_jax.bench.report import Store
-  from redrafter_jax.config import DecodeConfig
   from redrafter_jax.tokenizer import encode
 
   if o.gpu:
@@ -270,9 +277,7 @@ def run(o) -> pathlib.Path:
     raise SuiteError(f"{o.prompts}: no prompt fits the model's context")
   methods = build_methods(o)
   greedy = [m for m in methods if m.kind == "redrafter" and m.temperature == 0]
-  W, L = o.main_beams
-  batch_methods = [methods[0], Method(f"redrafter_W{W}_L{L}", f"ReDrafter W={W} L={L}",
-                                      "redrafter", 0.0, W, L)]
+  batch_methods = [methods[0], Method.redrafter(o.main_beams)]
   for m in methods + batch_methods:
     store.data["methods"][m.key] = dataclasses.asdict(m)
   for pid, (row, ids, size) in prompts.items():
@@ -294,8 +299,7 @@ def run(o) -> pathlib.Path:
   for m in greedy:
     bar.set_description(f"step split {m.key}")
     if not store.has("step_split", m.key):
-      cfg = DecodeConfig(beam_width=m.beam_width, beam_length=m.beam_length,
-                         max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab)
+      cfg = m.beams.config(max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab)
       store.put("step_split", m.key, value=dict(
           step_split(llm, runner.drafter, first, cfg, o.split_repeat), prompt_tokens=len(first),
           tree_tokens=cfg.num_tree_tokens))

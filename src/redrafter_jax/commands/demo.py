@@ -26,6 +26,8 @@ def add_arguments(p) -> None:
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--beam-width", type=int, default=None, help="default: the drafter's own")
   p.add_argument("--beam-length", type=int, default=None, help="default: the drafter's own")
+  p.add_argument("--lookup-ngram", type=int, default=None,
+                 help="context-lookup beam n-gram (0 = off; default: the drafter's own)")
   p.add_argument("--prompt", action="append", default=None,
                  help="a chat prompt (repeatable; default: three built-in ones)")
 
@@ -47,6 +49,8 @@ def run(args) -> int:
       beam_width=args.beam_width or defaults.get("beam_width", 4),
       beam_length=args.beam_length or defaults.get("beam_length", 5),
       token_budget=defaults.get("token_budget"),
+      lookup_ngram=(args.lookup_ngram if args.lookup_ngram is not None
+                    else defaults.get("lookup_ngram", 0)),
       draft_vocab_size=draft_vocab_for(path),
       max_new_tokens=args.max_new_tokens)
   llm, _ = load_llama("smollm2-135m")
@@ -56,7 +60,7 @@ def run(args) -> int:
   prompts = [encode(tok, p, chat=True) for p in (args.prompt or PROMPTS)]
   print(f"SmolLM2-135M-Instruct (fp32, CPU={len(__import__('os').sched_getaffinity(0))} cores), "
         f"drafter {path}, W={cfg.beam_width} L={cfg.beam_length} "
-        f"N={cfg.num_tree_tokens} draft vocab={cfg.draft_vocab_size or 'all'}", flush=True)
+        f"lookup={cfg.lookup_ngram or 'off'} N={cfg.num_tree_tokens} draft vocab={cfg.draft_vocab_size or 'all'}", flush=True)
   print("compiling ...", flush=True)
   for ids in prompts:  # prompts of other padded lengths compile their own prefill: not timed
     generate(llm, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stops)

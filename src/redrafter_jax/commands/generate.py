@@ -45,7 +45,10 @@ def add_arguments(p) -> None:
   g.add_argument("--beam-length", type=int, default=5,
                  help="L: beam length INCLUDING the LLM's own token (L-1 drafted tokens)")
   g.add_argument("--token-budget", type=int, default=None,
-                 help="N: packed tree tokens verified per step (default W*(L-1)+1)")
+                 help="N: packed tree tokens verified per step (default beams*(L-1)+1)")
+  g.add_argument("--lookup-ngram", type=int, default=0,
+                 help="add one beam copied from the context after the latest match of its last "
+                      "1..N tokens (prompt lookup; exact); 0 = off (default)")
   g.add_argument("--draft-vocab", type=int, default=None,
                  help="draft only the K most frequent tokens (default: the drafter's own "
                       "recommendation, else the whole vocabulary)")
@@ -68,11 +71,17 @@ def check_arguments(args) -> None:
     raise UserError("--system needs --chat")
   check_sampling(args.temperature, args.top_p, args.top_k)
   if args.drafter:
-    from redrafter_jax.config import DecodeConfig
+    decode_config(args, args.draft_vocab or 0)  # raises ConfigError
 
-    DecodeConfig(beam_width=args.beam_width, beam_length=args.beam_length,  # raises ConfigError
-                 max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
-                 draft_vocab_size=args.draft_vocab or 0, acceptance=args.acceptance)
+
+def decode_config(args, draft_vocab: int):
+  """The ReDrafter settings the arguments ask for."""
+  from redrafter_jax.config import DecodeConfig
+
+  return DecodeConfig(beam_width=args.beam_width, beam_length=args.beam_length,
+                      max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
+                      lookup_ngram=args.lookup_ngram, draft_vocab_size=draft_vocab,
+                      acceptance=args.acceptance)
 
 
 def load_model(args):
@@ -117,17 +126,13 @@ def ar_decoder(model, prompt_ids: list[int], args, stop_ids) -> Callable[[], Gen
 
 def redrafter_decoder(model, prompt_ids, args, stop_ids) -> Callable[[], Generation]:
   """ReDrafter decoding of one prompt with the drafter and beam settings of ``args``."""
-  from redrafter_jax.config import DecodeConfig
   from redrafter_jax.decode import decode as rd_decode
   from redrafter_jax.shipped import draft_vocab_for, resolve_drafter
   from redrafter_jax.weights.drafter_io import load_drafter
 
   path = resolve_drafter(args.drafter)
   drafter = load_drafter(path)
-  cfg = DecodeConfig(beam_width=args.beam_width, beam_length=args.beam_length,
-                     max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
-                     draft_vocab_size=draft_vocab_for(path, args.draft_vocab),
-                     acceptance=args.acceptance)
+  cfg = decode_config(args, draft_vocab_for(path, args.draft_vocab))
 
   def decode() -> Generation:
     r = rd_decode(model, drafter, [prompt_ids], cfg, seed=args.seed, stop_ids=stop_ids,
@@ -140,11 +145,11 @@ def redrafter_decoder(model, prompt_ids, args, stop_ids) -> Callable[[], Generat
   return decode
 
 
-
 def make_decoder(model, prompt_ids, args, stop_ids) -> tuple[str, Callable[[], Generation]]:
   """(name, zero-argument decode function) for the decoding the arguments ask for."""
   if args.drafter:
-    name = f"redrafter W={args.beam_width} L={args.beam_length}"
+    name = f"redrafter W={args.beam_width} L={args.beam_length}" + (
+        f" + lookup {args.lookup_ngram}" if args.lookup_ngram else "")
     return name, redrafter_decoder(model, prompt_ids, args, stop_ids)
   return "ar", ar_decoder(model, prompt_ids, args, stop_ids)
 
@@ -184,8 +189,7 @@ def run(args) -> int:
   if not prompt_ids:
     raise GenerateError("the prompt encodes to no tokens")
   # Fails with the numbers when the prompt + new tokens do not fit the model's context.
-  extra = 1 if not args.drafter else args.beam_length + (
-      args.token_budget or args.beam_width * (args.beam_length - 1) + 1)
+  extra = 1 if not args.drafter else args.beam_length + decode_config(args, 0).num_tree_tokens
   cache_size_for(len(prompt_ids), args.max_new_tokens, extra,
                  model.config.max_position_embeddings)
   stop_ids = () if args.ignore_eos else stop_token_ids(tok)

@@ -25,7 +25,7 @@ from flax import struct
 
 from redrafter_jax import decode as decode_lib
 from redrafter_jax import kv_cache as kvc
-from redrafter_jax import sampling
+from redrafter_jax import lookup, sampling
 from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.generate import empty_output, prefill, record
 from redrafter_jax.models.drafter import Drafter
@@ -55,7 +55,7 @@ def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
   state = decode_lib.DecodeState(
       cache=kvc.init(cfg.num_layers, B, cache_size, cfg.num_kv_heads, cfg.head_dim, dtype),
       g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, cfg.hidden_size), dtype),
-      out=empty_output(B, max_tokens),
+      context_BS=jnp.zeros((B, cache_size), jnp.int32), out=empty_output(B, max_tokens),
       done_B=jnp.ones((B,), bool), rng=jax.random.split(jax.random.key(0), B),
       metrics=decode_lib.Metrics.zeros(B, beam_length))
   return SlotBatch(state, sampling.SamplingParams.make(B), jnp.zeros((B,), jnp.int32))
@@ -92,9 +92,10 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
                       num_B=put(s.out.num_B, out_1.num_B),
                       stopped_B=put(s.out.stopped_B, out_1.stopped_B))
   metrics = jax.tree.map(lambda x: x.at[slot].set(0), s.metrics)
+  context_1S = decode_lib.start_context(tokens_1T, length_1, g0_1, s.context_BS.shape[1])
   state = s.replace(cache=cache, g0_B=put(s.g0_B, g0_1),
-                    h_BD=put(s.h_BD, h_1D.astype(s.h_BD.dtype)), out=out,
-                    done_B=put(s.done_B, done_1), rng=s.rng.at[slot].set(rng), metrics=metrics)
+                    context_BS=put(s.context_BS, context_1S),
+                    h_BD=put(s.h_BD, h_1D.astype(s.h_BD.dtype)), out=out, done_B=put(s.done_B, done_1), rng=s.rng.at[slot].set(rng), metrics=metrics)
   params = jax.tree.map(put, batch.params, params_1)
   return SlotBatch(state, params, batch.limit_B.at[slot].set(limit)), g0_1[0]
 
@@ -141,7 +142,8 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool
   m = s.metrics
   metrics = m.replace(steps_B=m.steps_B + on_B,
                       accept_hist_BL=m.accept_hist_BL.at[:, 0].add(on_B))
-  new = s.replace(cache=cache, g0_B=jnp.where(active_B, next_B, s.g0_B),
+  context_BS = lookup.write(s.context_BS, c.lengths_B + 1, next_B[:, None], on_B)
+  new = s.replace(cache=cache, g0_B=jnp.where(active_B, next_B, s.g0_B), context_BS=context_BS,
                   h_BD=jnp.where(active_B[:, None], hidden_B1D[:, 0], s.h_BD),
                   out=out.replace(steps=out.steps + 1), done_B=done_B, rng=keys_B2[:, 0],
                   metrics=metrics)
