@@ -170,6 +170,7 @@ def test_gpu_mode_fails_clearly_without_a_gpu(tiny, tmp_path, capsys):
 
 def test_bad_arguments_are_rejected(capsys):
   for args in (["--beams", "4"], ["--beams", "4x1"], ["--beams", "1x4+x"], ["--beams", "1x4+9"],
+               ["--beams", "1x4+3/3"], ["--beams", "1x4+3/8"], ["--beams", "1x4/x"],
                ["--main-beams", "2x"], ["--temperatures", "0"], ["--per-category", "0"],
                ["--batch-sizes", "a"]):
     with pytest.raises(SystemExit) as e:
@@ -203,11 +204,15 @@ def test_presets_fill_only_what_was_not_given():
   o = suite.parse_args(["--gpu", "--batch-sizes", "2", "--beams", "3x3"])
   assert (o.dtype, o.attention, o.batch_sizes, o.beams) == ("bfloat16", "cudnn", [2],
                                                              [bench_decode.Beams(3, 3)])
-  o = suite.parse_args(["--beams", "1x4+3, 2x5", "--main-beams", "1x6+2"])
-  assert o.beams == [bench_decode.Beams(1, 4, 3), bench_decode.Beams(2, 5)]
+  o = suite.parse_args(["--beams", "1x4+3, 2x5, 1x4+3/5", "--main-beams", "1x6+2"])
+  assert o.beams == [bench_decode.Beams(1, 4, 3), bench_decode.Beams(2, 5),
+                     bench_decode.Beams(1, 4, 3, 5)]
   assert o.main_beams == bench_decode.Beams(1, 6, 2)
-  assert [m.key for m in suite.build_methods(o) if m.temperature == 0 and m.beam_width] == [
-      "redrafter_W1_L4_lookup3", "redrafter_W2_L5"]
+  methods = [m for m in suite.build_methods(o) if m.temperature == 0 and m.beam_width]
+  assert [m.key for m in methods] == [
+      "redrafter_W1_L4_lookup3", "redrafter_W2_L5", "redrafter_W1_L4_lookup3_N5"]
+  assert methods[2].beams.config().num_tree_tokens == 5
+  assert methods[0].beams.config().num_tree_tokens == 7
   assert suite.parse_args(["--gpu"]).batch_sizes == [1, 2, 4, 8, 16]
   o = suite.parse_args(["--quick", "--max-new-tokens", "7"])
   assert (o.max_new_tokens, o.per_category, o.temperatures) == (7, 1, [0.7])

@@ -73,10 +73,13 @@ def drafter():
   return Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48), rngs=nnx.Rngs(1))
 
 
-@pytest.mark.parametrize("W,L,n", [(1, 4, 3), (2, 5, 2), (1, 2, 1)])
-def test_greedy_with_lookup_equals_ar_and_context_is_the_text(llm, drafter, W, L, n):
+@pytest.mark.parametrize("W,L,n,budget", [(1, 4, 3, None), (2, 5, 2, None), (1, 2, 1, None),
+                                          (2, 4, 3, 5)])
+def test_greedy_with_lookup_equals_ar_and_context_is_the_text(llm, drafter, W, L, n, budget):
+  """With a budget the tree keeps the lookup beam first and cuts the drafter's nodes."""
   ar = generate(llm, PROMPTS, max_new_tokens=32)
-  cfg = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=32, lookup_ngram=n)
+  cfg = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=32, lookup_ngram=n,
+                     token_budget=budget)
 
   def check(state):  # the context is exactly prompt + emitted tokens (g0 last) in every row
     ctx, length = np.asarray(state.context_BS), np.asarray(state.cache.lengths_B)

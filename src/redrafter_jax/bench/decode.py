@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from redrafter_jax import decode as dec
-from redrafter_jax.config import DecodeConfig, DrafterConfig
+from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig
 from redrafter_jax.generate import generate
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
@@ -32,12 +32,14 @@ DEFAULT_PROMPTS = pathlib.Path(__file__).resolve().parents[3].parent / "shared/d
 
 @dataclasses.dataclass(frozen=True)
 class Beams:
-  """A tree setting, written ``WxL`` (W drafter beams of length L, g0 included) or ``WxL+N``
-  (plus the context-lookup beam matching up to N tokens: ``DecodeConfig.lookup_ngram``)."""
+  """A tree setting, written ``WxL`` (W drafter beams of length L, g0 included), ``WxL+n``
+  (plus the context-lookup beam matching up to n tokens: ``DecodeConfig.lookup_ngram``) and
+  optionally ``/N`` (a token budget of N tree tokens: ``DecodeConfig.token_budget``)."""
 
   width: int
   length: int
   lookup: int = 0
+  budget: int = 0  # 0: the whole tree
 
   @classmethod
   def parse_list(cls, text: str) -> list["Beams"]:
@@ -47,14 +49,17 @@ class Beams:
       if not item:
         continue
       try:
-        wl, _, n = item.partition("+")
+        rest, _, budget = item.partition("/")
+        wl, _, n = rest.partition("+")
         w, l = (int(x) for x in wl.split("x"))
-        b = cls(w, l, int(n) if n else 0)
-      except ValueError:
+        b = cls(w, l, int(n) if n else 0, int(budget) if budget else 0)
+        b.config()  # the budget must fit the tree
+      except (ValueError, ConfigError):
         b = None
       if b is None or b.width < 1 or b.length < 2 or not 0 <= b.lookup <= 8:
-        raise ValueError(f"want WxL or WxL+N settings with W >= 1, L >= 2 (L counts g0) and "
-                         f"lookup n-gram N <= 8, e.g. 4x4,1x4+3; got {item!r}")
+        raise ValueError(f"want WxL, WxL+n or WxL+n/N settings with W >= 1, L >= 2 (L counts "
+                         f"g0), lookup n-gram n <= 8 and a token budget L <= N <= the tree's "
+                         f"size, e.g. 4x4,1x4+3,1x4+3/5; got {item!r}")
       out.append(b)
     if not out:
       raise ValueError(f"no WxL setting in {text!r}")
@@ -62,15 +67,17 @@ class Beams:
 
   @property
   def key(self) -> str:
-    return f"W{self.width}_L{self.length}" + (f"_lookup{self.lookup}" if self.lookup else "")
+    return (f"W{self.width}_L{self.length}" + (f"_lookup{self.lookup}" if self.lookup else "")
+            + (f"_N{self.budget}" if self.budget else ""))
 
   @property
   def label(self) -> str:
-    return f"W={self.width} L={self.length}" + (f" + lookup {self.lookup}" if self.lookup else "")
+    return (f"W={self.width} L={self.length}" + (f" + lookup {self.lookup}" if self.lookup else "")
+            + (f", N={self.budget}" if self.budget else ""))
 
   def config(self, **kwargs) -> DecodeConfig:
     return DecodeConfig(beam_width=self.width, beam_length=self.length,
-                        lookup_ngram=self.lookup, **kwargs)
+                        lookup_ngram=self.lookup, token_budget=self.budget or None, **kwargs)
 
 
 def load_prompts(path, tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -158,12 +165,10 @@ def main(argv=None) -> int:
   ap.add_argument("--max-prompt-tokens", type=int, default=512)
   ap.add_argument("--max-new-tokens", type=int, default=96)
   ap.add_argument("--beams", default="4x4,8x5",
-                  help="comma-separated WxL settings; WxL+N adds the context-lookup beam "
-                       "(n-grams up to N)")
+                  help="comma-separated WxL settings; WxL+n adds the context-lookup beam "
+                       "(n-grams up to n), /N a tree token budget (e.g. 1x4+3/5)")
   ap.add_argument("--draft-vocab", type=int, default=None,
                   help="draft vocabulary size (0 = all; default: the drafter's decode.json, else all)")
-  ap.add_argument("--budget", type=int, default=0,
-                  help="tree token budget N (0 = beams*(L-1)+1)")
   ap.add_argument("--repeat", type=int, default=10, help="repeats for the step split")
   args = ap.parse_args(argv)
   try:
@@ -177,8 +182,8 @@ def main(argv=None) -> int:
   stops = stop_token_ids(tok)
   drafter = load_drafter_arg(args.drafter, llm_cfg, args.exit_dim)
   prompts = load_prompts(args.prompts, tok, args.num_prompts, args.max_prompt_tokens)
-  cfgs = [b.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab,
-                   token_budget=args.budget or None) for b in settings]
+  cfgs = [b.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
+          for b in settings]
   print(f"# {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, "
         f"greedy, batch 1, drafter={args.drafter}, draft_vocab={args.draft_vocab or 'all'}, "
         f"device={jax.devices()[0].platform}")

@@ -51,12 +51,13 @@ def speedup_vs_width(folder, data) -> str:
   runs, methods = data["runs"], data["methods"]
   plt, fig, (ax_s, ax_t) = _figure(2)
   keys = with_runs(data, lambda m: m["kind"] == "redrafter" and m["temperature"] == 0)
-  line_of = lambda k: (methods[k]["beam_length"], methods[k].get("lookup_ngram", 0))
-  for L, n in sorted({line_of(k) for k in keys}):
+  line_of = lambda k: (methods[k]["beam_length"], methods[k].get("lookup_ngram", 0),
+                       methods[k].get("token_budget", 0))
+  for L, n, N in sorted({line_of(k) for k in keys}):
     pts = sorted((methods[k]["beam_width"], speedup(runs, k, GREEDY_AR),
                   tokens_per_step(runs, k, measured(runs, k)))
-                 for k in keys if line_of(k) == (L, n))
-    label = f"L={L}" + (f" + lookup {n}" if n else "")
+                 for k in keys if line_of(k) == (L, n, N))
+    label = f"L={L}" + (f" + lookup {n}" if n else "") + (f", N={N}" if N else "")
     ax_s.plot([p[0] for p in pts], [p[1] or 0 for p in pts], "o-" if not n else "s--",
               label=label)
     ax_t.plot([p[0] for p in pts], [p[2] or 0 for p in pts], "o-" if not n else "s--",

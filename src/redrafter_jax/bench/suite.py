@@ -71,16 +71,17 @@ class Method:
   acceptance: str = "greedy"  # greedy | exact | typical
   reference: str = "ar_greedy"  # our AR at the same temperature: the speedup baseline
   lookup_ngram: int = 0  # the context-lookup beam's n-gram size (0: none)
+  token_budget: int = 0  # tree tokens N (0: the whole tree)
 
   @classmethod
   def redrafter(cls, b: Beams, prefix: str = "", label: str = "", temperature: float = 0.0,
                 acceptance: str = "greedy", reference: str = "ar_greedy") -> "Method":
     return cls(f"redrafter_{prefix}{b.key}", f"ReDrafter {label}{b.label}", "redrafter",
-               temperature, b.width, b.length, acceptance, reference, b.lookup)
+               temperature, b.width, b.length, acceptance, reference, b.lookup, b.budget)
 
   @property
   def beams(self) -> Beams:
-    return Beams(self.beam_width, self.beam_length, self.lookup_ngram)
+    return Beams(self.beam_width, self.beam_length, self.lookup_ngram, self.token_budget)
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -99,9 +100,10 @@ def parse_args(argv) -> argparse.Namespace:
                  f"(default {FULL['per_category']})")
   p.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results root")
-  p.add_argument("--beams", help=f"greedy ReDrafter settings WxL, or WxL+N with the "
-                 f"context-lookup beam (n-grams up to N) (default {FULL['beams']})")
-  p.add_argument("--main-beams", help="WxL[+N] of the sampling runs and the batch sweep "
+  p.add_argument("--beams", help=f"greedy ReDrafter settings WxL, or WxL+n with the "
+                 f"context-lookup beam (n-grams up to n), each optionally /N with a tree token "
+                 f"budget N (default {FULL['beams']})")
+  p.add_argument("--main-beams", help="WxL[+n][/N] of the sampling runs and the batch sweep "
                  f"(default {FULL['main_beams']})")
   p.add_argument("--temperatures", help=f"exact-sampling temperatures (default "
                  f"{FULL['temperatures']})")
