@@ -6,6 +6,7 @@ length 0..L-1: tests multi-token commits into the real model's cache). Where fp3
 two argmaxes differ, the test requires the LLM's top-2 logit gap there to be below 1e-4 (a tie).
 """
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from redrafter_jax.config import DecodeConfig, DrafterConfig
 from redrafter_jax.decode import decode
 from redrafter_jax.generate import generate
 from redrafter_jax.models.drafter import Drafter
-from redrafter_jax.shipped import decode_defaults, resolve_drafter
+from redrafter_jax.shipped import recommended_config, resolve_drafter
 from redrafter_jax.tokenizer import encode
 from redrafter_jax.weights.drafter_io import load_drafter
 
@@ -130,12 +131,10 @@ def test_shipped_drafter_is_exact_and_accepted(smollm2, prompts, ar, batch, W, L
   ~1.0)."""
   model = smollm2[0]
   path = resolve_drafter("shipped")
-  d = decode_defaults(path)
-  cfg = DecodeConfig(beam_width=W or d["beam_width"], beam_length=L or d["beam_length"],
-                     token_budget=d.get("token_budget") if W is None else None,
-                     lookup_ngram=d.get("lookup_ngram", 0) if W is None else 0,
-                     draft_vocab_size=d.get("draft_vocab_size", 0), max_new_tokens=NEW,
-                     cache_size=CACHE)
+  # W=4 L=4 overrides the recorded tree: the whole tree, and no lookup beam.
+  cfg = recommended_config(path, beam_width=W, beam_length=L, lookup_ngram=None if W is None else 0,
+                           max_new_tokens=NEW)
+  cfg = dataclasses.replace(cfg, cache_size=CACHE)
   drafter = load_drafter(path)
   got, accepted, steps = [], 0, 0
   for i in range(0, 8, batch):

@@ -43,6 +43,7 @@ def fingerprint(path) -> str:
 
 
 def decode_defaults(path) -> dict:
+  """The drafter folder's ``decode.json`` (the settings it was measured with), or ``{}``."""
   file = pathlib.Path(path) / "decode.json"
   if not file.is_file():
     return {}
@@ -55,3 +56,24 @@ def draft_vocab_for(path, requested: int | None = None) -> int:
   if requested is not None:
     return requested
   return int(decode_defaults(path).get("draft_vocab_size", 0))
+
+
+def recommended_config(path, *, beam_width: int | None = None, beam_length: int | None = None,
+                       lookup_ngram: int | None = None, token_budget: int | None = None,
+                       max_new_tokens: int = 128):
+  """A ``DecodeConfig`` from the drafter's ``decode.json`` with the given values overriding it
+  (None = the drafter's own). The recorded token budget belongs to the recorded tree: when W, L
+  or the lookup beam is overridden and no budget is given, the whole tree is verified. Raises
+  ``ConfigError`` for settings that do not fit together."""
+  from redrafter_jax.config import DecodeConfig
+
+  d = decode_defaults(path)
+  own_tree = beam_width is None and beam_length is None and lookup_ngram is None
+  if token_budget is None and own_tree:
+    token_budget = d.get("token_budget")
+  return DecodeConfig(
+      beam_width=d.get("beam_width", 4) if beam_width is None else beam_width,
+      beam_length=d.get("beam_length", 5) if beam_length is None else beam_length,
+      lookup_ngram=d.get("lookup_ngram", 0) if lookup_ngram is None else lookup_ngram,
+      token_budget=token_budget, draft_vocab_size=draft_vocab_for(path),
+      max_new_tokens=max_new_tokens)

@@ -7,8 +7,9 @@ distillation loss (``losses.py``), AdamW with linear warmup + cosine decay and g
 clipping — with explicit shardings and a donated train state. Every ``checkpoint_every``
 steps, at a requested stop and at the end it saves a checkpoint (``checkpoint.py``); a rerun
 with the same output folder resumes from the newest one and sees exactly the batches it would
-have seen. At the end the drafter is exported in the reference format to ``<output_dir>/drafter``, with its token ranking
-(response-token frequency in the data; ``train.vocab_limit`` trains on the top K of it).
+have seen. At the end the drafter is exported in the reference format to
+``<output_dir>/drafter``, with its token ranking (response-token frequency in the data;
+``train.vocab_limit`` trains on the top K of it).
 
 Outputs in ``train.output_dir``: ``checkpoints/``, ``metrics.csv``, TensorBoard events in
 ``tb/``, ``curves.png``, ``drafter/``.

@@ -47,7 +47,8 @@ from redrafter_jax.bench.decode import Beams
 # --per-category 2 roughly doubles the measuring). On CPU the verify forward grows with the tree
 # (W=16 L=5, 65 tokens, costs about 4 AR steps), so wide trees do not pay there; the GPU preset
 # sweeps them.
-FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,1x4+3,4x4,8x5,16x5", main_beams="4x5",
+# 1x4+3/5 is the shipped drafter's own setting (its decode.json).
+FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,1x4+3/5,4x4,8x5,16x5", main_beams="4x5",
             temperatures="0.7,1.0", split_repeat=10)
 GPU = dict(beams="1x4,4x4,8x4,4x5,8x5,16x5", main_beams="8x5", batch_sizes="1,2,4,8,16")
 # --quick: the two shortest of the first prompts of each category, few tokens, fewer settings.

@@ -28,15 +28,17 @@ def add_arguments(p) -> None:
   p.add_argument("--beam-length", type=int, default=None, help="default: the drafter's own")
   p.add_argument("--lookup-ngram", type=int, default=None,
                  help="context-lookup beam n-gram (0 = off; default: the drafter's own)")
+  p.add_argument("--token-budget", type=int, default=None,
+                 help="tree tokens N (default: the drafter's own when W, L and lookup are its "
+                 "own too, else the whole tree)")
   p.add_argument("--prompt", action="append", default=None,
                  help="a chat prompt (repeatable; default: three built-in ones)")
 
 
 def run(args) -> int:
-  from redrafter_jax.config import DecodeConfig
   from redrafter_jax.decode import decode
   from redrafter_jax.generate import generate
-  from redrafter_jax.shipped import decode_defaults, draft_vocab_for, resolve_drafter
+  from redrafter_jax.shipped import recommended_config, resolve_drafter
   from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter
@@ -44,15 +46,9 @@ def run(args) -> int:
 
   logging.getLogger("jax").setLevel(logging.WARNING)
   path = resolve_drafter(args.drafter)
-  defaults = decode_defaults(path)
-  cfg = DecodeConfig(
-      beam_width=args.beam_width or defaults.get("beam_width", 4),
-      beam_length=args.beam_length or defaults.get("beam_length", 5),
-      token_budget=defaults.get("token_budget"),
-      lookup_ngram=(args.lookup_ngram if args.lookup_ngram is not None
-                    else defaults.get("lookup_ngram", 0)),
-      draft_vocab_size=draft_vocab_for(path),
-      max_new_tokens=args.max_new_tokens)
+  cfg = recommended_config(path, beam_width=args.beam_width, beam_length=args.beam_length,
+                           lookup_ngram=args.lookup_ngram, token_budget=args.token_budget,
+                           max_new_tokens=args.max_new_tokens)
   llm, _ = load_llama("smollm2-135m")
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))
   drafter = load_drafter(path)
@@ -60,7 +56,8 @@ def run(args) -> int:
   prompts = [encode(tok, p, chat=True) for p in (args.prompt or PROMPTS)]
   print(f"SmolLM2-135M-Instruct (fp32, CPU={len(__import__('os').sched_getaffinity(0))} cores), "
         f"drafter {path}, W={cfg.beam_width} L={cfg.beam_length} "
-        f"lookup={cfg.lookup_ngram or 'off'} N={cfg.num_tree_tokens} draft vocab={cfg.draft_vocab_size or 'all'}", flush=True)
+        f"lookup={cfg.lookup_ngram or 'off'} N={cfg.num_tree_tokens} "
+        f"draft vocab={cfg.draft_vocab_size or 'all'}", flush=True)
   print("compiling ...", flush=True)
   for ids in prompts:  # prompts of other padded lengths compile their own prefill: not timed
     generate(llm, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stops)

@@ -95,7 +95,8 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
   context_1S = decode_lib.start_context(tokens_1T, length_1, g0_1, s.context_BS.shape[1])
   state = s.replace(cache=cache, g0_B=put(s.g0_B, g0_1),
                     context_BS=put(s.context_BS, context_1S),
-                    h_BD=put(s.h_BD, h_1D.astype(s.h_BD.dtype)), out=out, done_B=put(s.done_B, done_1), rng=s.rng.at[slot].set(rng), metrics=metrics)
+                    h_BD=put(s.h_BD, h_1D.astype(s.h_BD.dtype)), out=out,
+                    done_B=put(s.done_B, done_1), rng=s.rng.at[slot].set(rng), metrics=metrics)
   params = jax.tree.map(put, batch.params, params_1)
   return SlotBatch(state, params, batch.limit_B.at[slot].set(limit)), g0_1[0]
 

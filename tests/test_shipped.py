@@ -1,0 +1,72 @@
+"""A drafter's recorded decoding settings (decode.json) and how explicit settings override them."""
+
+import json
+
+import pytest
+
+from redrafter_jax.config import ConfigError
+from redrafter_jax.shipped import recommended_config, resolve_drafter
+
+RECORDED = {"beam_width": 2, "beam_length": 4, "lookup_ngram": 3, "token_budget": 5,
+            "draft_vocab_size": 8192}
+
+
+@pytest.fixture
+def drafter_dir(tmp_path):
+  (tmp_path / "decode.json").write_text(json.dumps(RECORDED))
+  return tmp_path
+
+
+def test_recorded_settings_are_the_defaults(drafter_dir):
+  cfg = recommended_config(drafter_dir, max_new_tokens=64)
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget,
+          cfg.draft_vocab_size, cfg.max_new_tokens) == (2, 4, 3, 5, 8192, 64)
+  assert cfg.num_tree_tokens == 5
+
+
+@pytest.mark.parametrize("override", [{"beam_width": 4}, {"beam_length": 5}, {"lookup_ngram": 0}])
+def test_another_tree_verifies_all_of_it(drafter_dir, override):
+  """The recorded budget was measured for the recorded tree; another W, L or lookup gets its
+  whole tree unless a budget is given too."""
+  cfg = recommended_config(drafter_dir, **override)
+  assert cfg.token_budget is None
+  W, L = cfg.beam_width, cfg.beam_length
+  assert cfg.num_tree_tokens == (W + (cfg.lookup_ngram > 0)) * (L - 1) + 1
+
+
+def test_explicit_budget_wins(drafter_dir):
+  assert recommended_config(drafter_dir, token_budget=7).num_tree_tokens == 7
+  assert recommended_config(drafter_dir, beam_width=4, token_budget=9).num_tree_tokens == 9
+
+
+def test_bad_override_is_a_config_error(drafter_dir):
+  with pytest.raises(ConfigError, match="token_budget"):
+    recommended_config(drafter_dir, token_budget=99)
+  with pytest.raises(ConfigError, match="beam_width"):
+    recommended_config(drafter_dir, beam_width=0)
+
+
+def test_folder_without_decode_json(tmp_path):
+  cfg = recommended_config(tmp_path)
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget,
+          cfg.draft_vocab_size) == (4, 5, 0, None, 0)
+
+
+def test_shipped_settings_are_valid():
+  """The shipped drafter's decode.json makes a valid config (its recorded tree and budget)."""
+  cfg = recommended_config(resolve_drafter("shipped"))
+  assert cfg.beam_width >= 1 and cfg.draft_vocab_size > 0
+
+
+@pytest.mark.parametrize("name", ["smollm2_135m.yaml", "smollm2_135m_finetune.yaml"])
+def test_presets_decode_like_the_shipped_drafter(name):
+  """The presets that trained the shipped drafter carry its recorded decoding settings."""
+  import pathlib
+
+  from redrafter_jax.config import load_preset
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  got = load_preset(root / "configs" / name).decode
+  want = recommended_config(resolve_drafter("shipped"))
+  for key in ("beam_width", "beam_length", "lookup_ngram", "token_budget", "draft_vocab_size"):
+    assert getattr(got, key) == getattr(want, key), key
