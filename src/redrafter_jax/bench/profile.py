@@ -1,0 +1,144 @@
+"""``python -m redrafter_jax.bench profile``: where one decoding step's time goes, per XLA op.
+
+Runs AR ``generate()`` or ReDrafter ``decode()`` once to compile, once timed, and once under the
+JAX profiler, then sums the trace's op events by kind (``dot``, ``copy``, ``fusion`` names with
+their numeric suffix removed) and, where the program's optimized HLO could be dumped, by output
+shape too; times are per decoding step (AR: per token; ReDrafter: per verify step, prefill
+included in the totals). A ``copy`` row is data movement XLA inserted, e.g. around the KV cache's
+in-place update in the loop; a ``dot`` row whose time is far above its weight bytes over the
+memory bandwidth is a slow matmul path. Ops are the trace events that name an HLO op
+(the CPU runtime names every thunk; loop containers and host events are left out).
+
+The HLO shapes need ``XLA_FLAGS=--xla_dump_to=...`` before JAX starts: this command sets it
+when it runs as the first JAX user of the process (it does from the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import pathlib
+import re
+import tempfile
+import time
+
+# Containers (their time is their body's ops) and host-side events are not ops of the step.
+_CONTAINERS = ("while", "conditional", "call")
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench profile",
+                              description=__doc__.strip().splitlines()[0])
+  p.add_argument("--mode", choices=("ar", "redrafter"), default="ar")
+  p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
+  p.add_argument("--drafter", default="shipped", help="drafter folder for --mode redrafter")
+  p.add_argument("--prompt-tokens", type=int, default=200, help="length of a synthetic prompt")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--top", type=int, default=20, help="rows to print")
+  args = p.parse_args(argv)
+  if min(args.prompt_tokens, args.max_new_tokens, args.top) < 1:
+    p.error("--prompt-tokens, --max-new-tokens and --top must be >= 1")
+  return args
+
+
+def hlo_signatures(dump_dir: pathlib.Path | None) -> dict[tuple[str, str], str]:
+  """``{(module, op name): 'kind output-shape'}`` from the optimized HLO texts in ``dump_dir``."""
+  sig = {}
+  for f in glob.glob(str(dump_dir / "*after_optimizations.txt")) if dump_dir else ():
+    module = re.sub(r"^module_\d+\.(.*?)\.\w+_after_optimizations\.txt$", r"\1",
+                    pathlib.Path(f).name)
+    for line in pathlib.Path(f).read_text().splitlines():
+      m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ([^ ]+(?: [^ ]+)?) (\w[\w-]*)\(", line)
+      if m:
+        shape = m.group(2).split("{")[0]
+        sig[(module, m.group(1))] = f"{m.group(3)} {shape}"
+  return sig
+
+
+def op_table(trace_file: pathlib.Path, steps: int, sig: dict) -> list[tuple[float, float, str]]:
+  """``[(ms per step, ops per step, 'kind [shape]')]``, largest first, from one trace file."""
+  events = json.load(gzip.open(trace_file))["traceEvents"]
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    args = e.get("args", {})
+    if e.get("ph") != "X" or "dur" not in e or "hlo_op" not in args:
+      continue
+    module = args.get("hlo_module", "")
+    kind = re.sub(r"[._]\d+$", "", e["name"])
+    if kind in _CONTAINERS:
+      continue
+    label = sig.get((module, e["name"]))
+    key = f"{kind}: {label.split(' ', 1)[1]}" if label else kind
+    total[key] += e["dur"]
+    count[key] += 1
+  return [(us / steps / 1e3, count[k] / steps, k) for k, us in total.most_common()]
+
+
+def _newest_trace(folder: str) -> pathlib.Path:
+  files = sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True), key=os.path.getmtime)
+  if not files:
+    raise RuntimeError(f"the profiler wrote no trace under {folder}")
+  return pathlib.Path(files[-1])
+
+
+def profile(run, steps_of, dump_dir: pathlib.Path | None = None):
+  """Compile ``run()``, time it, trace it; returns ``(seconds, steps, table)``."""
+  import jax
+
+  run()
+  t = time.perf_counter()
+  result = run()
+  seconds = time.perf_counter() - t
+  steps = max(int(steps_of(result)), 1)
+  with tempfile.TemporaryDirectory() as folder:
+    jax.profiler.start_trace(folder)
+    try:
+      run()
+    finally:
+      jax.profiler.stop_trace()
+    return seconds, steps, op_table(_newest_trace(folder), steps, hlo_signatures(dump_dir))
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  dump = pathlib.Path(tempfile.mkdtemp(prefix="redrafter_hlo_"))
+  if "--xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):  # effective only before JAX starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+  import jax
+
+  from redrafter_jax.decode import decode
+  from redrafter_jax.generate import generate
+  from redrafter_jax.shipped import recommended_config, resolve_drafter
+  from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  llm, cfg = load_llama(args.model)
+  prompt = [1] + [100 + i % (cfg.vocab_size - 100) for i in range(args.prompt_tokens - 1)]
+  if args.mode == "ar":
+    run = lambda: generate(llm, [prompt], max_new_tokens=args.max_new_tokens)
+    steps_of = lambda r: sum(len(t) for t in r.tokens)
+    what = "AR generate"
+  else:
+    path = resolve_drafter(args.drafter)
+    dcfg = recommended_config(path, max_new_tokens=args.max_new_tokens)
+    drafter = load_drafter(path)
+    run = lambda: decode(llm, drafter, [prompt], dcfg)
+    steps_of = lambda r: r.metrics["steps"]
+    what = (f"ReDrafter decode W={dcfg.beam_width} L={dcfg.beam_length} "
+            f"lookup={dcfg.lookup_ngram} N={dcfg.num_tree_tokens}")
+  seconds, steps, table = profile(run, steps_of, dump)
+  print(f"# {what}: {args.model}, {jax.default_backend()}, prompt {args.prompt_tokens} tokens, "
+        f"{args.max_new_tokens} new; {steps} steps, {seconds / steps * 1e3:.1f} ms/step wall\n")
+  print("| ms/step | ops/step | op kind: output shape |\n| ---: | ---: | --- |")
+  for ms, n, key in table[:args.top]:
+    print(f"| {ms:.2f} | {n:.1f} | {key} |")
+  print(f"\nsum of op time: {sum(r[0] for r in table):.1f} ms/step (ops may overlap on threads)")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
