@@ -16,7 +16,7 @@ def test_ops_are_joined_with_their_hlo_shapes(tmp_path):
   module = text.split("HloModule ")[1].split(",")[0].split()[0]
   (tmp_path / f"module_0001.{module}.cpu_after_optimizations.txt").write_text(text)
   sig = profile.hlo_signatures(tmp_path)
-  assert any(v.startswith("dot f32[8,40]") or "f32[8,40]" in v for v in sig.values()), sig
+  assert any("f32[8,40]" in v for v in sig.values()), sig
   seconds, steps, table = profile.profile(lambda: f(a, b).block_until_ready(), lambda r: 2,
                                           tmp_path)
   assert steps == 2 and seconds > 0
@@ -34,7 +34,7 @@ def test_generate_profile_has_per_step_rows(tmp_path):
   assert table and all(ms >= 0 and n > 0 for ms, n, _ in table)
   if jax.default_backend() == "cpu":
     kinds = {key.split(":")[0] for _, _, key in table}
-    assert "dot" in kinds or any("dot" in k or "ynn" in k for k in kinds), kinds
+    assert any("dot" in k or "ynn" in k for k in kinds), kinds
 
 
 def test_bad_arguments_are_rejected():

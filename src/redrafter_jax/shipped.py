@@ -75,5 +75,5 @@ def recommended_config(path, *, beam_width: int | None = None, beam_length: int 
       beam_width=d.get("beam_width", 4) if beam_width is None else beam_width,
       beam_length=d.get("beam_length", 5) if beam_length is None else beam_length,
       lookup_ngram=d.get("lookup_ngram", 0) if lookup_ngram is None else lookup_ngram,
-      token_budget=token_budget, draft_vocab_size=draft_vocab_for(path),
+      token_budget=token_budget, draft_vocab_size=int(d.get("draft_vocab_size", 0)),
       max_new_tokens=max_new_tokens)

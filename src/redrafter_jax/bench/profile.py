@@ -105,9 +105,20 @@ def profile(run, steps_of, dump_dir: pathlib.Path | None = None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  dump = pathlib.Path(tempfile.mkdtemp(prefix="redrafter_hlo_"))
-  if "--xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):  # effective only before JAX starts
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+  flags = os.environ.get("XLA_FLAGS", "")
+  given = re.search(r"--xla_dump_to=(\S+)", flags)
+  if given:  # the user's own dump folder
+    return _run(args, pathlib.Path(given.group(1)))
+  # Else a temporary one; XLA reads the flag only when JAX starts (so: from the command line).
+  with tempfile.TemporaryDirectory(prefix="redrafter_hlo_") as dump:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={dump}".strip()
+    try:
+      return _run(args, pathlib.Path(dump))
+    finally:
+      os.environ["XLA_FLAGS"] = flags
+
+
+def _run(args, dump: pathlib.Path) -> int:
   import jax
 
   from redrafter_jax.decode import decode
