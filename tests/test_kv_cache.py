@@ -177,25 +177,28 @@ def test_commit_of_a_path_equals_running_it_as_a_chain(model, num):
     np.testing.assert_allclose(logits[b, 0], ref, atol=1e-5, err_msg=f"row {b}")
 
 
-def _stacked(layers):
-  """Per-layer [B, K, S, E] arrays as one [layers, B, S] array (K = E = 1)."""
-  return np.stack([np.asarray(c)[:, 0, :, 0] for c in layers])
+def _stacked(cache, which):
+  """One of the cache's K/V as one [layers, B, S] array (K = E = 1), via the [B, K, S, E] view."""
+  i = {"k": 0, "v": 1}[which]
+  return np.stack([np.asarray(cache.layer_BKSE(n)[i])[:, 0, :, 0]
+                   for n in range(cache.num_layers)])
 
 
 def test_commit_moves_only_the_path_slots():
   cache = kvc.init(num_layers=2, batch=2, size=8, num_kv_heads=1, head_dim=1)
-  ramp = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 1, 8, 1)  # [layer, B, K, S, E]
-  cache = cache.replace(k=tuple(ramp), v=tuple(-ramp), lengths_B=jnp.array([2, 3], jnp.int32))
+  ramp = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8)  # [layer, X = K * B, S]
+  cache = cache.replace(k=tuple(ramp[:, :, None, :]), v=tuple(-ramp[:, :, :, None]),
+                        lengths_B=jnp.array([2, 3], jnp.int32))
   out = kvc.commit(cache, jnp.array([[1, 3], [0, 2]]), jnp.array([2, 1]))
   np.testing.assert_array_equal(np.asarray(out.lengths_B), [4, 4])
-  k = _stacked(out.k)
-  before = np.asarray(ramp)[:, :, 0, :, 0]
+  k = _stacked(out, "k")
+  before = np.asarray(ramp)
   for layer in range(2):
     np.testing.assert_array_equal(k[layer, 0, :4], before[layer, 0, [0, 1, 3, 5]])
     np.testing.assert_array_equal(k[layer, 1, :4], before[layer, 1, [0, 1, 2, 3]])
     np.testing.assert_array_equal(k[layer, 1, 3], before[layer, 1, 3])  # path[0] = 0: in place
     np.testing.assert_array_equal(k[layer, :, 6:], before[layer, :, 6:])  # beyond: untouched
-  np.testing.assert_array_equal(_stacked(out.v), -k)
+  np.testing.assert_array_equal(_stacked(out, "v"), -k)
 
 
 def test_visible_mask_sees_committed_slots_and_allowed_new_tokens():
@@ -219,6 +222,23 @@ def test_write_past_the_end_is_dropped_not_clamped():
   cache = cache.replace(lengths_B=jnp.array([3, 1], jnp.int32))
   new_BTKE = jnp.full((2, 2, 1, 1), 7.0)
   out = kvc.write_layer(cache, 0, new_BTKE, -new_BTKE)
-  np.testing.assert_array_equal(_stacked(out.k)[0], [[0, 0, 0, 7], [0, 7, 7, 0]])
-  np.testing.assert_array_equal(_stacked(out.v), -_stacked(out.k))
+  np.testing.assert_array_equal(_stacked(out, "k")[0], [[0, 0, 0, 7], [0, 7, 7, 0]])
+  np.testing.assert_array_equal(_stacked(out, "v"), -_stacked(out, "k"))
   np.testing.assert_array_equal(np.asarray(out.lengths_B), [3, 1])  # written, not committed
+
+
+def test_write_places_each_row_and_head_at_its_own_slots():
+  """Head-major X = K * B: row b's head k lands at x = k * B + b, slots lengths[b] + t."""
+  B, T, K, E, size = 2, 3, 2, 4, 8
+  cache = kvc.init(num_layers=1, batch=B, size=size, num_kv_heads=K, head_dim=E)
+  cache = cache.replace(lengths_B=jnp.array([1, 4], jnp.int32))
+  new_BTKE = jnp.arange(B * T * K * E, dtype=jnp.float32).reshape(B, T, K, E) + 1
+  out = kvc.write_layer(cache, 0, new_BTKE, -new_BTKE)
+  assert out.k[0].shape == (K * B, E, size) and out.v[0].shape == (K * B, size, E)
+  k_BKSE, v_BKSE = (np.asarray(a) for a in out.layer_BKSE(0))
+  expected = np.zeros((B, K, size, E), np.float32)
+  for b, start in enumerate([1, 4]):
+    expected[b, :, start:start + T] = np.asarray(new_BTKE[b]).transpose(1, 0, 2)
+  np.testing.assert_array_equal(k_BKSE, expected)
+  np.testing.assert_array_equal(v_BKSE, -expected)
+  np.testing.assert_array_equal(np.asarray(out.k[0])[1 * B + 0, :, 1], np.asarray(new_BTKE[0, 0, 1]))

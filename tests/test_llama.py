@@ -95,12 +95,48 @@ def test_cudnn_backend_on_cpu_is_a_clear_error(tmp_path):
     load_llama(tmp_path / "m", backend="cudnn")
 
 
+def _reference_attention(q_BTHE, k_BKSE, v_BKSE, mask_BTS):
+  """Per (row, head) softmax attention in NumPy float64; head h reads kv head h // G."""
+  B, T, H, E = q_BTHE.shape
+  G = H // k_BKSE.shape[1]
+  out = np.zeros((B, T, H, E))
+  for b in range(B):
+    for h in range(H):
+      scores = q_BTHE[b, :, h] @ k_BKSE[b, h // G].T / np.sqrt(E)
+      scores = np.where(mask_BTS[b], scores, -np.inf)
+      p = np.exp(scores - scores.max(-1, keepdims=True))
+      out[b, :, h] = (p / p.sum(-1, keepdims=True)) @ v_BKSE[b, h // G]
+  return out
+
+
+def _as_cache_layout(k_BKSE, v_BKSE):
+  """[B, K, S, E] -> the cache's k_XES, v_XSE (X = K * B, head-major)."""
+  B, K, S, E = k_BKSE.shape
+  return (k_BKSE.transpose(1, 0, 3, 2).reshape(K * B, E, S),
+          v_BKSE.transpose(1, 0, 2, 3).reshape(K * B, S, E))
+
+
+def test_xla_attention_matches_per_head_reference():
+  """Grouped-query attention over the cache layout, rows with different visible slots."""
+  rng = np.random.default_rng(0)
+  B, T, S, H, K, E = 2, 3, 10, 6, 2, 8
+  q = rng.standard_normal((B, T, H, E)).astype(np.float32)
+  k = rng.standard_normal((B, K, S, E)).astype(np.float32)
+  v = rng.standard_normal((B, K, S, E)).astype(np.float32)
+  mask = np.asarray(kvc.visible_mask(jnp.array([4, 7]), kvc.causal_mask(jnp.ones((B, T), bool)),
+                                     S))
+  out = attend(jnp.asarray(q), *map(jnp.asarray, _as_cache_layout(k, v)), jnp.asarray(mask),
+               backend="xla")
+  np.testing.assert_allclose(np.asarray(out), _reference_attention(q, k, v, mask), atol=1e-5)
+
+
 def test_unknown_backend_is_a_clear_error():
   with pytest.raises(BackendError, match="unknown attention backend 'flash'"):
     check_backend("flash")
   x = jnp.zeros((1, 1, 2, 4))
+  kv = jnp.zeros((2, 4, 1))
   with pytest.raises(BackendError, match="unknown"):
-    attend(x, x, x, jnp.ones((1, 1, 1), bool), backend="flash")
+    attend(x, kv, kv.transpose(0, 2, 1), jnp.ones((1, 1, 1), bool), backend="flash")
 
 
 @pytest.mark.gpu
@@ -109,8 +145,8 @@ def test_cudnn_matches_xla_on_gpu():
   rng = np.random.default_rng(0)
   B, T, S, H, K, E = 2, 8, 64, 8, 2, 64
   q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
-  k = jnp.asarray(rng.standard_normal((B, S, K, E)), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((B, S, K, E)), jnp.bfloat16)
+  k, v = (jnp.asarray(a, jnp.bfloat16) for a in _as_cache_layout(
+      rng.standard_normal((B, K, S, E)), rng.standard_normal((B, K, S, E))))
   mask = kvc.visible_mask(jnp.array([20, 40]), kvc.causal_mask(jnp.ones((B, T), bool)), S)
   ref = attend(q, k, v, mask, backend="xla").astype(jnp.float32)
   out = attend(q, k, v, mask, backend="cudnn").astype(jnp.float32)

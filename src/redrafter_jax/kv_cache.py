@@ -1,17 +1,23 @@
 """Static-shape KV cache with per-row lengths.
 
-Layout: ``k``/``v`` are tuples with one ``[B, K, S, E]`` array per layer; ``lengths_B`` counts the
-committed slots of each row. A forward over T new tokens writes their K/V at slots
-``lengths[b] .. lengths[b] + T - 1`` WITHOUT committing them; the caller then either
+Layout: ``k``/``v`` are tuples with one array per layer, keys ``[X, E, S]`` and values
+``[X, S, E]``, where ``X = K * B`` runs over (kv head, row) pairs, head-major (``x = k * B + b``);
+``lengths_B`` counts the committed slots of each row. A forward over T new tokens writes their K/V
+at slots ``lengths[b] .. lengths[b] + T - 1`` WITHOUT committing them; the caller then either
 ``advance``s (prefill, AR step) or ``commit``s an accepted tree path (a gather of at most A slots;
 the cache is never cloned). Rows never need padding on the left: each row's prompt starts at
-slot 0 and positions are per row.
+slot 0 and positions are per row. ``layer_BKSE`` gives the conventional ``[B, K, S, E]`` view.
 
-Why per-layer ``[B, K, S, E]`` (rather than one ``[layers, B, S, K, E]`` array): attention is then
-a batched matmul over (b, k) with contiguous ``[S, E]`` blocks, with no transpose of the cache,
-and each layer's update is in place on its own buffer, with no slice copies. Measured on the
-2-core CPU at B=32, S=512: attention over 30 layers 99 ms vs 415 ms, update + attention 197 ms vs
-2.2 s for the stacked ``[layers, B, S, K, E]`` layout.
+Why this layout. Attention is two batched matmuls over ``X``, ``q[X, GT, E] @ k[X, E, S]`` and
+``p[X, GT, S] @ v[X, S, E]``: each cache array is already the operand XLA wants (one batch
+dimension, contracting dimension where the matmul reads it), so the cache is never transposed or
+reshaped inside a step. That matters beyond the transpose itself: XLA:CPU duplicates an in-place
+update that feeds a reshape, and then copies the whole buffer to keep both copies right. With the
+earlier ``[B, K, S, E]`` layout an AR step of SmolLM2-135M made ~120 such copies of cache layers
+plus a transpose of every K (``bench profile --mode ar``). Head-major ``X`` keeps a split over kv
+heads (tensor parallel serving) a split of the leading axis. Each layer's array is its own buffer
+so a layer's update is in place (measured on the 2-core CPU at B=32, S=512: update + attention
+over 30 layers 197 ms per-layer vs 2.2 s for one stacked ``[layers, ...]`` array).
 """
 
 from __future__ import annotations
@@ -23,52 +29,67 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  k: tuple[jax.Array, ...]  # per layer [B, K, S, E]
-  v: tuple[jax.Array, ...]  # per layer [B, K, S, E]
+  k: tuple[jax.Array, ...]  # per layer [X, E, S], X = K * B head-major
+  v: tuple[jax.Array, ...]  # per layer [X, S, E]
   lengths_B: jax.Array  # int32 [B], committed slots per row
 
   @property
   def size(self) -> int:
-    return self.k[0].shape[2]
+    return self.v[0].shape[1]
 
   @property
   def batch(self) -> int:
-    return self.k[0].shape[0]
+    return self.lengths_B.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.v[0].shape[0] // self.batch
 
   @property
   def num_layers(self) -> int:
     return len(self.k)
 
   def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-    """``(k_BKSE, v_BKSE)`` of layer ``i``."""
+    """``(k_XES, v_XSE)`` of layer ``i``, as attention consumes them."""
     return self.k[i], self.v[i]
+
+  def layer_BKSE(self, i: int) -> tuple[jax.Array, jax.Array]:
+    """Layer ``i``'s keys and values in the conventional ``[B, K, S, E]`` layout (a copy)."""
+    B, K = self.batch, self.num_kv_heads
+    k_KBES = self.k[i].reshape(K, B, *self.k[i].shape[1:])
+    v_KBSE = self.v[i].reshape(K, B, *self.v[i].shape[1:])
+    return k_KBES.transpose(1, 0, 3, 2), v_KBSE.transpose(1, 0, 2, 3)
 
 
 def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
          dtype=jnp.float32) -> KVCache:
-  shape = (batch, num_kv_heads, size, head_dim)
-  return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                 v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+  X = num_kv_heads * batch
+  return KVCache(k=tuple(jnp.zeros((X, head_dim, size), dtype) for _ in range(num_layers)),
+                 v=tuple(jnp.zeros((X, size, head_dim), dtype) for _ in range(num_layers)),
                  lengths_B=jnp.zeros((batch,), jnp.int32))
+
+
+def _heads(B: int, T: int, K: int) -> jax.Array:
+  """``x_BTK``: the ``X`` index of (row b, kv head k), repeated over T."""
+  x_BK = jnp.arange(K)[None, :] * B + jnp.arange(B)[:, None]
+  return jnp.broadcast_to(x_BK[:, None, :], (B, T, K))
 
 
 def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
   """Write one layer's new K/V at each row's first uncommitted slot (no commit).
 
-  A scatter with explicit (row, slot) indices, in place on the layer's buffer. Slots past the
-  cache's end are dropped (never clamped back onto committed slots).
+  A scatter with explicit (head-row, slot) indices, in place on the layer's buffers. Slots past
+  the cache's end are dropped (never clamped back onto committed slots).
   """
-  B, T = k_BTKE.shape[:2]
-  rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-  slots_BT = cache.lengths_B[:, None] + jnp.arange(T)
-
-  def put(layers, x_BTKE):
-    c_BKSE = layers[layer]
-    # Advanced indices on axes 0 and 2 (around a slice) address [B, T, K, E] blocks.
-    c_BKSE = c_BKSE.at[rows_BT, :, slots_BT].set(x_BTKE.astype(c_BKSE.dtype), mode="drop")
-    return layers[:layer] + (c_BKSE,) + layers[layer + 1:]
-
-  return cache.replace(k=put(cache.k, k_BTKE), v=put(cache.v, v_BTKE))
+  B, T, K, _ = k_BTKE.shape
+  x_BTK = _heads(B, T, K)
+  slots_BTK = jnp.broadcast_to((cache.lengths_B[:, None] + jnp.arange(T))[:, :, None], (B, T, K))
+  k_XES, v_XSE = cache.layer(layer)
+  # Advanced indices on axes 0 and 2 (around a slice) address [B, T, K, E] blocks.
+  k_XES = k_XES.at[x_BTK, :, slots_BTK].set(k_BTKE.astype(k_XES.dtype), mode="drop")
+  v_XSE = v_XSE.at[x_BTK, slots_BTK].set(v_BTKE.astype(v_XSE.dtype), mode="drop")
+  put = lambda layers, c: layers[:layer] + (c,) + layers[layer + 1:]
+  return cache.replace(k=put(cache.k, k_XES), v=put(cache.v, v_XSE))
 
 
 def visible_mask(lengths_B: jax.Array, mask_BTT: jax.Array, size: int) -> jax.Array:
@@ -106,12 +127,16 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
   layer (all A are moved; those past ``num_B`` stay uncommitted scratch).
   """
   B, A = path_BA.shape
-  rows_BA = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
-  src_BA = cache.lengths_B[:, None] + path_BA
-  dst_BA = cache.lengths_B[:, None] + jnp.arange(A)
+  K = cache.num_kv_heads
+  x_BAK = _heads(B, A, K)
+  src_BAK = jnp.broadcast_to((cache.lengths_B[:, None] + path_BA)[:, :, None], (B, A, K))
+  dst_BAK = jnp.broadcast_to((cache.lengths_B[:, None] + jnp.arange(A))[:, :, None], (B, A, K))
 
-  def move(c_BKSE):
-    return c_BKSE.at[rows_BA, :, dst_BA].set(c_BKSE[rows_BA, :, src_BA], mode="drop")
+  def move_k(k_XES):
+    return k_XES.at[x_BAK, :, dst_BAK].set(k_XES[x_BAK, :, src_BAK], mode="drop")
 
-  return cache.replace(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v),
+  def move_v(v_XSE):
+    return v_XSE.at[x_BAK, dst_BAK].set(v_XSE[x_BAK, src_BAK], mode="drop")
+
+  return cache.replace(k=tuple(move_k(c) for c in cache.k), v=tuple(move_v(c) for c in cache.v),
                        lengths_B=cache.lengths_B + num_B.astype(jnp.int32))

@@ -1,11 +1,12 @@
 """Attention backends behind one signature.
 
-``attend(q_BTHE, k_BKSE, v_BKSE, mask_BTS, backend=...) -> out_BTHE``
+``attend(q_BTHE, k_XES, v_XSE, mask_BTS, backend=...) -> out_BTHE``
 
 The mask says, for each new token, which cache slots it may see: this one signature serves a
 prefill (causal), one AR step, and a packed draft tree (each token sees the committed prefix and
-its own ancestors). Grouped-query attention is native: ``H = K * G``. Keys and values come in the cache's layout
-``[B, K, S, E]`` (see ``kv_cache``).
+its own ancestors). Grouped-query attention is native: ``H = K * G``. Keys and values come in the
+cache's layout, ``k_XES`` and ``v_XSE`` with ``X = K * B`` head-major (see ``kv_cache``): the two
+matmuls read them as they are.
 
 Backends:
   ``xla``    einsum reference; runs on every platform; softmax in float32.
@@ -37,32 +38,37 @@ def check_backend(backend: str) -> None:
           "use backend='xla'")
 
 
-def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, mask_BTS: jax.Array,
+def attend(q_BTHE: jax.Array, k_XES: jax.Array, v_XSE: jax.Array, mask_BTS: jax.Array,
            *, backend: str = "xla") -> jax.Array:
   if backend == "xla":
-    return _attend_xla(q_BTHE, k_BKSE, v_BKSE, mask_BTS)
+    return _attend_xla(q_BTHE, k_XES, v_XSE, mask_BTS)
   if backend == "cudnn":
-    return _attend_cudnn(q_BTHE, k_BKSE, v_BKSE, mask_BTS)
+    return _attend_cudnn(q_BTHE, k_XES, v_XSE, mask_BTS)
   raise BackendError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 
 
-def _attend_xla(q_BTHE, k_BKSE, v_BKSE, mask_BTS):
+def _attend_xla(q_BTHE, k_XES, v_XSE, mask_BTS):
   B, T, H, E = q_BTHE.shape
-  K = k_BKSE.shape[1]
-  q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
-  scores_BKGTS = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE,
-                            preferred_element_type=jnp.float32) * (E ** -0.5)
-  scores_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKGTS, _NEG_INF)
-  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSE.dtype)
-  out_BKGTE = jnp.einsum("bkgts,bkse->bkgte", probs_BKGTS, v_BKSE)
-  return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
+  X, _, S = k_XES.shape
+  K = X // B
+  G = H // K
+  q_XME = q_BTHE.reshape(B, T, K, G, E).transpose(2, 0, 3, 1, 4).reshape(X, G * T, E)
+  scores_XMS = jnp.einsum("xme,xes->xms", q_XME, k_XES,
+                          preferred_element_type=jnp.float32) * (E ** -0.5)
+  scores_KBGTS = scores_XMS.reshape(K, B, G, T, S)
+  scores_KBGTS = jnp.where(mask_BTS[None, :, None, :, :], scores_KBGTS, _NEG_INF)
+  probs_XMS = jax.nn.softmax(scores_KBGTS, axis=-1).astype(v_XSE.dtype).reshape(X, G * T, S)
+  out_XME = jnp.einsum("xms,xse->xme", probs_XMS, v_XSE)
+  return out_XME.reshape(K, B, G, T, E).transpose(1, 3, 0, 2, 4).reshape(B, T, H, E)
 
 
-def _attend_cudnn(q_BTHE, k_BKSE, v_BKSE, mask_BTS):
+def _attend_cudnn(q_BTHE, k_XES, v_XSE, mask_BTS):
   # cuDNN wants half precision and [B, S, K, E]; the mask broadcasts over heads as [B, 1, T, S].
   dtype = q_BTHE.dtype if q_BTHE.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
-  k_BSKE = k_BKSE.transpose(0, 2, 1, 3)
-  v_BSKE = v_BKSE.transpose(0, 2, 1, 3)
+  B = q_BTHE.shape[0]
+  X, E, S = k_XES.shape
+  k_BSKE = k_XES.reshape(X // B, B, E, S).transpose(1, 3, 0, 2)
+  v_BSKE = v_XSE.reshape(X // B, B, S, E).transpose(1, 2, 0, 3)
   out = jax.nn.dot_product_attention(
       q_BTHE.astype(dtype), k_BSKE.astype(dtype), v_BSKE.astype(dtype),
       mask=mask_BTS[:, None, :, :], implementation="cudnn")

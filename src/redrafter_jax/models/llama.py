@@ -87,12 +87,13 @@ class Attention(nnx.Module):
     q_BTHE = apply_rope(self.q_proj(x_BTD).reshape(B, T, H, E), cos_BTE, sin_BTE)
     k_BTKE = apply_rope(self.k_proj(x_BTD).reshape(B, T, K, E), cos_BTE, sin_BTE)
     v_BTKE = self.v_proj(x_BTD).reshape(B, T, K, E)
-    if cache is None:  # attend among the T tokens only (S = T)
-      keys_BKSE, values_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
+    if cache is None:  # attend among the T tokens only (S = T), in the cache's layout
+      keys_XES = k_BTKE.transpose(2, 0, 3, 1).reshape(K * B, E, T)
+      values_XSE = v_BTKE.transpose(2, 0, 1, 3).reshape(K * B, T, E)
     else:
       cache = kvc.write_layer(cache, layer, k_BTKE, v_BTKE)
-      keys_BKSE, values_BKSE = cache.layer(layer)
-    out_BTHE = attend(q_BTHE, keys_BKSE, values_BKSE, mask_BTS, backend=backend)
+      keys_XES, values_XSE = cache.layer(layer)
+    out_BTHE = attend(q_BTHE, keys_XES, values_XSE, mask_BTS, backend=backend)
     return self.o_proj(out_BTHE.reshape(B, T, H * E)), cache
 
 

@@ -82,9 +82,13 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
   done_1 = done_1 | (limit <= 1)
 
   # Only the prompt's T slots are written: slots past a row's length are never visible.
-  at = (slot, 0, 0, 0)
-  put_rows = lambda full, row: tuple(jax.lax.dynamic_update_slice(f, r, at)
-                                     for f, r in zip(full, row))
+  # Cache arrays are [K * B, ...] head-major: viewed as [K, B, ...], the slot is axis 1.
+  K = row_cache.num_kv_heads
+  at = (0, slot, 0, 0)
+  put_rows = lambda full, row: tuple(
+      jax.lax.dynamic_update_slice(f.reshape(K, -1, *f.shape[1:]), r.reshape(K, 1, *r.shape[1:]),
+                                   at).reshape(f.shape)
+      for f, r in zip(full, row))
   cache = s.cache.replace(k=put_rows(s.cache.k, row_cache.k), v=put_rows(s.cache.v, row_cache.v),
                           lengths_B=s.cache.lengths_B.at[slot].set(length_1[0]))
   put = lambda full, row: full.at[slot].set(row[0])

@@ -75,7 +75,7 @@ class Placement:
 
   def _shardings(self, abstract_batch, num_kv_heads: int):
     model = self.mesh.shape[sh.MODEL]
-    kv = P(None, sh.MODEL, None, None) if num_kv_heads % model == 0 else P()  # [B, K, S, E]
+    kv = P(sh.MODEL, None, None) if num_kv_heads % model == 0 else P()  # [K * B, ...]
 
     def one(path, _):
       name = sh.path_name(path)
