@@ -3,8 +3,9 @@
 Runs AR ``generate()`` or ReDrafter ``decode()`` once to compile, once timed, and once under the
 JAX profiler, then sums the trace's op events by kind (``dot``, ``copy``, ``fusion`` names with
 their numeric suffix removed) and, where the program's optimized HLO could be dumped, by output
-shape too; times are per decoding step (AR: per token; ReDrafter: per verify step, prefill
-included in the totals). A ``copy`` row is data movement XLA inserted, e.g. around the KV cache's
+shape too. Times are per decoding step (AR: per token; ReDrafter: per verify step). With the HLO
+at hand, the table holds only the ops of the decoding loop (the instructions of a ``while`` body
+and what it calls); the ops outside it (prefill, setup) are one total line. A ``copy`` row is data movement XLA inserted, e.g. around the KV cache's
 in-place update in the loop; a ``dot`` row whose time is far above its weight bytes over the
 memory bandwidth is a slow matmul path. Ops are the trace events that name an HLO op
 (the CPU runtime names every thunk; loop containers and host events are left out).
@@ -28,6 +29,7 @@ import time
 
 # Containers (their time is their body's ops) and host-side events are not ops of the step.
 _CONTAINERS = ("while", "conditional", "call")
+OUTSIDE_LOOP = "(all ops outside the decoding loop: prefill, setup)"
 
 
 def parse_args(argv):
@@ -45,22 +47,48 @@ def parse_args(argv):
   return args
 
 
-def hlo_signatures(dump_dir: pathlib.Path | None) -> dict[tuple[str, str], str]:
-  """``{(module, op name): 'kind output-shape'}`` from the optimized HLO texts in ``dump_dir``."""
+_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation|"
+                     r"branch_computations)=\{?([^,}\s]+(?:, %[^,}\s]+)*)")
+
+
+def hlo_signatures(dump_dir: pathlib.Path | None) -> dict[tuple[str, str], tuple[str, bool]]:
+  """``{(module, op name): ('kind output-shape', in_loop)}`` from the optimized HLO texts in
+  ``dump_dir``; ``in_loop``: the op belongs to a ``while`` body or a computation it calls (every
+  op of a module without a ``while`` counts as in the loop: there is nothing to set apart)."""
   sig = {}
   for f in glob.glob(str(dump_dir / "*after_optimizations.txt")) if dump_dir else ():
     module = re.sub(r"^module_\d+\.(.*?)\.\w+_after_optimizations\.txt$", r"\1",
                     pathlib.Path(f).name)
+    ops, callees, loop_roots, computation = {}, collections.defaultdict(set), set(), ""
     for line in pathlib.Path(f).read_text().splitlines():
+      head = re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+      if head and not line.startswith(" "):
+        computation = head.group(1)
+        continue
+      for names in _CALLEE.findall(line):
+        called = {n.strip().lstrip("%") for n in names.split(",")}
+        callees[computation] |= called
+        if re.search(r"\swhile\(", line):
+          loop_roots |= called
       m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ([^ ]+(?: [^ ]+)?) (\w[\w-]*)\(", line)
       if m:
-        shape = m.group(2).split("{")[0]
-        sig[(module, m.group(1))] = f"{m.group(3)} {shape}"
+        ops[m.group(1)] = (f"{m.group(3)} {m.group(2).split('{')[0]}", computation)
+    in_loop, todo = set(), list(loop_roots)
+    while todo:
+      c = todo.pop()
+      if c not in in_loop:
+        in_loop.add(c)
+        todo.extend(callees[c])
+    for name, (label, comp) in ops.items():  # a module without a loop counts whole
+      sig[(module, name)] = (label, comp in in_loop or not loop_roots)
   return sig
 
 
 def op_table(trace_file: pathlib.Path, steps: int, sig: dict) -> list[tuple[float, float, str]]:
-  """``[(ms per step, ops per step, 'kind [shape]')]``, largest first, from one trace file."""
+  """``[(ms per step, ops per step, 'kind [shape]')]``, largest first, from one trace file.
+
+  Where ``sig`` places an op outside every loop, it is summed into one row,
+  ``OUTSIDE_LOOP``."""
   events = json.load(gzip.open(trace_file))["traceEvents"]
   total, count = collections.Counter(), collections.Counter()
   for e in events:
@@ -71,8 +99,10 @@ def op_table(trace_file: pathlib.Path, steps: int, sig: dict) -> list[tuple[floa
     kind = re.sub(r"[._]\d+$", "", e["name"])
     if kind in _CONTAINERS:
       continue
-    label = sig.get((module, e["name"]))
+    label, in_loop = sig.get((module, e["name"]), (None, True))
     key = f"{kind}: {label.split(' ', 1)[1]}" if label else kind
+    if not in_loop:
+      key = OUTSIDE_LOOP
     total[key] += e["dur"]
     count[key] += 1
   return [(us / steps / 1e3, count[k] / steps, k) for k, us in total.most_common()]
@@ -143,11 +173,15 @@ def _run(args, dump: pathlib.Path) -> int:
             f"lookup={dcfg.lookup_ngram} N={dcfg.num_tree_tokens}")
   seconds, steps, table = profile(run, steps_of, dump)
   print(f"# {what}: {args.model}, {jax.default_backend()}, prompt {args.prompt_tokens} tokens, "
-        f"{args.max_new_tokens} new; {steps} steps, {seconds / steps * 1e3:.1f} ms/step wall\n")
+        f"{args.max_new_tokens} new; {steps} steps, {seconds / steps * 1e3:.1f} ms/step wall "
+        f"(the whole call over its steps, prefill included)\n")
+  loop = [r for r in table if r[2] != OUTSIDE_LOOP]
+  outside = sum(r[0] for r in table if r[2] == OUTSIDE_LOOP)
   print("| ms/step | ops/step | op kind: output shape |\n| ---: | ---: | --- |")
-  for ms, n, key in table[:args.top]:
+  for ms, n, key in loop[:args.top]:
     print(f"| {ms:.2f} | {n:.1f} | {key} |")
-  print(f"\nsum of op time: {sum(r[0] for r in table):.1f} ms/step (ops may overlap on threads)")
+  print(f"\nsum of op time in the loop: {sum(r[0] for r in loop):.1f} ms/step (ops may overlap on "
+        f"threads); outside it (prefill, setup): {outside * steps:.1f} ms in all")
   return 0
 
 
