@@ -85,7 +85,7 @@ def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array
   x_BTK = _heads(B, T, K)
   slots_BTK = jnp.broadcast_to((cache.lengths_B[:, None] + jnp.arange(T))[:, :, None], (B, T, K))
   k_XES, v_XSE = cache.layer(layer)
-  # Advanced indices on axes 0 and 2 (around a slice) address [B, T, K, E] blocks.
+  # Advanced indices (on axes 0 and 2 of k, around a slice; 0 and 1 of v) address [B, T, K, E].
   k_XES = k_XES.at[x_BTK, :, slots_BTK].set(k_BTKE.astype(k_XES.dtype), mode="drop")
   v_XSE = v_XSE.at[x_BTK, slots_BTK].set(v_BTKE.astype(v_XSE.dtype), mode="drop")
   put = lambda layers, c: layers[:layer] + (c,) + layers[layer + 1:]
