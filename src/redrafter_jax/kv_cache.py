@@ -55,10 +55,15 @@ class KVCache:
 
   def layer_BKSE(self, i: int) -> tuple[jax.Array, jax.Array]:
     """Layer ``i``'s keys and values in the conventional ``[B, K, S, E]`` layout (a copy)."""
-    B, K = self.batch, self.num_kv_heads
-    k_KBES = self.k[i].reshape(K, B, *self.k[i].shape[1:])
-    v_KBSE = self.v[i].reshape(K, B, *self.v[i].shape[1:])
-    return k_KBES.transpose(1, 0, 3, 2), v_KBSE.transpose(1, 0, 2, 3)
+    return as_BKSE(self.k[i], self.v[i], self.batch)
+
+
+def as_BKSE(k_XES: jax.Array, v_XSE: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
+  """Keys and values in the cache's layout (``X = K * B``, head-major) as ``[B, K, S, E]``."""
+  X, E, S = k_XES.shape
+  k_KBES = k_XES.reshape(X // batch, batch, E, S)
+  v_KBSE = v_XSE.reshape(X // batch, batch, S, E)
+  return k_KBES.transpose(1, 0, 3, 2), v_KBSE.transpose(1, 0, 2, 3)
 
 
 def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
@@ -75,6 +80,11 @@ def _heads(B: int, T: int, K: int) -> jax.Array:
   return jnp.broadcast_to(x_BK[:, None, :], (B, T, K))
 
 
+def _per_head(x_BT: jax.Array, K: int) -> jax.Array:
+  """``x_BTK``: a per-row, per-token index repeated for each of the K kv heads."""
+  return jnp.broadcast_to(x_BT[:, :, None], (*x_BT.shape, K))
+
+
 def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
   """Write one layer's new K/V at each row's first uncommitted slot (no commit).
 
@@ -83,7 +93,7 @@ def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array
   """
   B, T, K, _ = k_BTKE.shape
   x_BTK = _heads(B, T, K)
-  slots_BTK = jnp.broadcast_to((cache.lengths_B[:, None] + jnp.arange(T))[:, :, None], (B, T, K))
+  slots_BTK = _per_head(cache.lengths_B[:, None] + jnp.arange(T), K)
   k_XES, v_XSE = cache.layer(layer)
   # Advanced indices (on axes 0 and 2 of k, around a slice; 0 and 1 of v) address [B, T, K, E].
   k_XES = k_XES.at[x_BTK, :, slots_BTK].set(k_BTKE.astype(k_XES.dtype), mode="drop")
@@ -129,8 +139,8 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
   B, A = path_BA.shape
   K = cache.num_kv_heads
   x_BAK = _heads(B, A, K)
-  src_BAK = jnp.broadcast_to((cache.lengths_B[:, None] + path_BA)[:, :, None], (B, A, K))
-  dst_BAK = jnp.broadcast_to((cache.lengths_B[:, None] + jnp.arange(A))[:, :, None], (B, A, K))
+  src_BAK = _per_head(cache.lengths_B[:, None] + path_BA, K)
+  dst_BAK = _per_head(cache.lengths_B[:, None] + jnp.arange(A), K)
 
   def move_k(k_XES):
     return k_XES.at[x_BAK, :, dst_BAK].set(k_XES[x_BAK, :, src_BAK], mode="drop")

@@ -5,9 +5,9 @@ JAX profiler, then sums the trace's op events by kind (``dot``, ``copy``, ``fusi
 their numeric suffix removed) and, where the program's optimized HLO could be dumped, by output
 shape too. Times are per decoding step (AR: per token; ReDrafter: per verify step). With the HLO
 at hand, the table holds only the ops of the decoding loop (the instructions of a ``while`` body
-and what it calls); the ops outside it (prefill, setup) are one total line. A ``copy`` row is data movement XLA inserted, e.g. around the KV cache's
-in-place update in the loop; a ``dot`` row whose time is far above its weight bytes over the
-memory bandwidth is a slow matmul path. Ops are the trace events that name an HLO op
+and what it calls); the ops outside it (prefill, setup) are one total line. A ``copy`` row is
+data movement XLA inserted, e.g. around the KV cache's in-place update in the loop; a ``dot`` row
+whose time is far above its weight bytes over the memory bandwidth is a slow matmul path. Ops are the trace events that name an HLO op
 (the CPU runtime names every thunk; loop containers and host events are left out).
 
 The HLO shapes need ``XLA_FLAGS=--xla_dump_to=...`` before JAX starts: this command sets it

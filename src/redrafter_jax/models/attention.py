@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from redrafter_jax import kv_cache as kvc
+
 BACKENDS = ("xla", "cudnn")
 _NEG_INF = -1e30
 
@@ -65,10 +67,8 @@ def _attend_xla(q_BTHE, k_XES, v_XSE, mask_BTS):
 def _attend_cudnn(q_BTHE, k_XES, v_XSE, mask_BTS):
   # cuDNN wants half precision and [B, S, K, E]; the mask broadcasts over heads as [B, 1, T, S].
   dtype = q_BTHE.dtype if q_BTHE.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
-  B = q_BTHE.shape[0]
-  X, E, S = k_XES.shape
-  k_BSKE = k_XES.reshape(X // B, B, E, S).transpose(1, 3, 0, 2)
-  v_BSKE = v_XSE.reshape(X // B, B, S, E).transpose(1, 2, 0, 3)
+  k_BKSE, v_BKSE = kvc.as_BKSE(k_XES, v_XSE, q_BTHE.shape[0])
+  k_BSKE, v_BSKE = k_BKSE.transpose(0, 2, 1, 3), v_BKSE.transpose(0, 2, 1, 3)
   out = jax.nn.dot_product_attention(
       q_BTHE.astype(dtype), k_BSKE.astype(dtype), v_BSKE.astype(dtype),
       mask=mask_BTS[:, None, :, :], implementation="cudnn")
