@@ -95,8 +95,28 @@ def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, ca
 
   # A resumed run must not mix settings.
   capsys.readouterr()
-  assert suite.main(quick_args(tiny, out, "--dtype", "bfloat16")) == 2
-  assert "other settings {'dtype': ('float32', 'bfloat16')}" in capsys.readouterr().err
+  assert suite.main(quick_args(tiny, out, "--param-dtype", "bfloat16")) == 2
+  assert "other settings {'param_dtype': ('float32', 'bfloat16')}" in capsys.readouterr().err
+
+
+def test_bf16_weights_run_adds_the_fp32_ar_baseline(tiny, tmp_path):
+  """With bf16 weights every one of our methods runs the bf16-weight LLM (greedy ReDrafter
+  still equals its AR), and our AR with float32 weights joins as a baseline with its column."""
+  out = tmp_path / "results"
+  assert suite.main(quick_args(tiny, out, "--param-dtype", "bfloat16", "--no-transformers",
+                               "--temperatures", "0.7", "--typical-temperature", "0")) == 0
+  folder = the_folder(out)
+  data = json.loads((folder / "measurements.json").read_text())
+  assert (data["settings"]["dtype"], data["settings"]["param_dtype"]) == ("float32", "bfloat16")
+  assert data["methods"]["ar_greedy_fp32"]["param_dtype"] == "float32"
+  for runs in data["runs"].values():
+    assert {"ar_greedy", "ar_greedy_fp32", "redrafter_W1_L4_lookup3"} <= set(runs)
+    for key in ("redrafter_W1_L4_lookup3", "redrafter_W4_L5"):
+      assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"], key
+  md = (folder / "results.md").read_text()
+  assert "vs our AR, fp32 weights" in md and "bfloat16 weights" in md
+  fp32_row = next(l for l in md.splitlines() if l.startswith("| our AR greedy, float32 weights |"))
+  assert fp32_row.split("|")[6].strip() == "1.00x"  # its own speedup over itself
 
 
 def synthetic():

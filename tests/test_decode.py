@@ -97,15 +97,18 @@ def test_tokens_per_step_and_metrics_consistent(llm, ar_greedy):
 
 
 def test_batched_rows_finish_independently(llm, drafter, ar_greedy):
-  # Use a token that row 0 emits early as a stop token: row 0 finishes first, others go on.
-  stop = ar_greedy.tokens[0][2]
+  # Use a token that row 0 emits early (first at index k >= 2) as a stop token: row 0 finishes
+  # first, after k + 1 tokens, and the others go on.
+  row0 = ar_greedy.tokens[0]
+  k = next(i for i in range(2, len(row0)) if row0[i] not in row0[:i])
+  stop = row0[k]
   ar = generate(llm, PROMPTS, max_new_tokens=24, stop_ids=[stop])
   r = decode(llm, drafter, PROMPTS, DecodeConfig(beam_width=4, beam_length=4, max_new_tokens=24),
              stop_ids=[stop])
   assert r.tokens == ar.tokens
   assert r.stopped == ar.stopped
   lengths = [len(t) for t in r.tokens]
-  assert lengths[0] == 3 and max(lengths) > 3
+  assert lengths[0] == k + 1 and max(lengths) > k + 1
   # Per-row: each row alone decodes the same tokens as inside the batch.
   for i, prompt in enumerate(PROMPTS):
     alone = decode(llm, drafter, [prompt], DecodeConfig(beam_width=4, beam_length=4,

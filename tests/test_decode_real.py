@@ -145,3 +145,58 @@ def test_shipped_drafter_is_exact_and_accepted(smollm2, prompts, ar, batch, W, L
   check_all(model, prompts[:8], got, ar[:8])
   per_step = (accepted + steps) / steps
   assert per_step > 1.15, f"shipped drafter: only {per_step:.2f} tokens per step"
+
+
+# --- bfloat16 weights, float32 activations (the fast CPU setting) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16w(smollm2):
+  """The same model with bfloat16 weights, and its own AR greedy output on the first 8 prompts:
+  ReDrafter must reproduce the output of the model it runs, whatever its precision."""
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  model, _ = load_llama("smollm2-135m", param_dtype=jnp.bfloat16)
+  return model
+
+
+@pytest.fixture(scope="module")
+def ar_bf16w(bf16w, prompts):
+  out = []
+  for i in range(0, 8, 4):
+    out += generate(bf16w, prompts[i:i + 4], max_new_tokens=NEW).tokens
+  return out
+
+
+def test_bf16_weights_differ_from_fp32_only_by_rounding(bf16w, smollm2, prompts, ar, ar_bf16w):
+  """A different rounding of the same model: logits within 1% of fp32's, most answers equal."""
+  seq = jnp.asarray([prompts[0] + ar[0]])
+  T = seq.shape[1]
+  mask = jnp.tril(jnp.ones((1, T, T), bool))
+  l32 = np.asarray(smollm2[0](seq, jnp.arange(T)[None], mask, None)[0])
+  l16 = np.asarray(bf16w(seq, jnp.arange(T)[None], mask, None)[0])
+  assert np.abs(l16 - l32).max() / np.abs(l32).max() < 0.01
+  assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.97
+  assert sum(a == b for a, b in zip(ar_bf16w, ar[:8])) >= 4
+
+
+@pytest.mark.parametrize("batch,W,L", [(1, None, None), (4, 4, 5)])
+def test_bf16_weights_shipped_drafter_is_exact(bf16w, prompts, ar_bf16w, batch, W, L):
+  """Verifying 2-16 tokens goes through XLA's bf16 GEMM and an AR step through two rows: the
+  paths' float32 rounding differs, and still only ties may flip."""
+  path = resolve_drafter("shipped")
+  cfg = recommended_config(path, beam_width=W, beam_length=L, lookup_ngram=None if W is None else 0,
+                           max_new_tokens=NEW)
+  cfg = dataclasses.replace(cfg, cache_size=CACHE)
+  drafter = load_drafter(path)
+  got = []
+  for i in range(0, 8, batch):
+    got += decode(bf16w, drafter, prompts[i:i + batch], cfg).tokens
+  check_all(bf16w, prompts[:8], got, ar_bf16w)
+
+
+def test_bf16_weights_oracle_commits_every_length(bf16w, smollm2, prompts, ar_bf16w):
+  cfg = DecodeConfig(beam_width=4, beam_length=5, max_new_tokens=NEW, cache_size=CACHE)
+  got, hist = oracle_decode(bf16w, smollm2[1].vocab_size, prompts[:8], ar_bf16w, cfg, 4)
+  check_all(bf16w, prompts[:8], got, ar_bf16w)
+  assert (hist > 0).all(), hist

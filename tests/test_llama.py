@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import tiny_models
 from tiny_models import forward
 from redrafter_jax import kv_cache as kvc
 from redrafter_jax.generate import generate
 from redrafter_jax.models.attention import BackendError, attend, check_backend
+from redrafter_jax.models.linear import project
 from redrafter_jax.weights.llama_weights import load_llama
 
 
@@ -74,13 +76,58 @@ def test_tiny_greedy_generate_matches_transformers(tmp_path):
 def test_bf16_forward_is_close_to_fp32(tmp_path):
   model32, _, _ = tiny_models.load_tiny(tmp_path, "llama")
   model16, _ = load_llama(tmp_path / "llama-0", dtype=jnp.bfloat16)
-  assert model16.layers[0].self_attn.q_proj.kernel.dtype == jnp.bfloat16
+  assert model16.layers[0].self_attn.q_proj.weight.dtype == jnp.bfloat16
   tokens_BT = random_tokens(6, (2, 32))
   l32, l16 = forward(model32, tokens_BT), forward(model16, tokens_BT)
   assert l16.dtype == np.float32 and np.isfinite(l16).all()
   # bf16 keeps ~3 significant digits; across 2 layers a few percent of the logit range.
   assert tiny_models.rel_err(l16, l32) < 0.05
   assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.9
+
+
+@pytest.mark.parametrize("kind", ["llama", "untied"])
+def test_bf16_weights_with_fp32_activations(tmp_path, kind):
+  """``param_dtype=bfloat16`` stores every weight in bf16 (PyTorch's [out, in] layout) and keeps
+  activations and the cache in fp32: it is fp32 up to the weights' and matmul inputs' rounding,
+  closer to fp32 than a bf16 model is."""
+  model32, _, _ = tiny_models.load_tiny(tmp_path, kind)
+  mixed, _ = load_llama(tmp_path / f"{kind}-0", param_dtype=jnp.bfloat16)
+  full16, _ = load_llama(tmp_path / f"{kind}-0", dtype=jnp.bfloat16)
+  params = jax.tree.leaves(nnx.state(mixed, nnx.Param))
+  assert params and all(p.dtype == jnp.bfloat16 for p in params)
+  q = mixed.layers[0].self_attn.q_proj.weight
+  assert q.shape == (mixed.config.num_heads * mixed.config.head_dim, mixed.config.hidden_size)
+  assert mixed.init_cache(1, 8).k[0].dtype == jnp.float32
+  tokens_BT = random_tokens(6, (2, 32))
+  l32, lmix, l16 = (forward(m, tokens_BT) for m in (model32, mixed, full16))
+  err = tiny_models.rel_err(lmix, l32)
+  assert 0 < err < 0.02 and err < tiny_models.rel_err(l16, l32)
+  assert (lmix.argmax(-1) == l32.argmax(-1)).mean() > 0.95
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.float32, jnp.float32),
+                                             (jnp.float32, jnp.bfloat16),
+                                             (jnp.bfloat16, jnp.bfloat16)])
+def test_project_matches_float64_math_for_any_row_count(x_dtype, w_dtype):
+  """``x @ w.T`` with ``w`` [out, in]: float32 inputs keep ~16 bits through bf16 weights (the
+  hi + lo split), so the result is close to exact math on the unrounded input, far closer than
+  rounding the input to bf16 would be; one row (padded or split into two) gives the same result
+  as that row in a batch."""
+  rng = np.random.default_rng(0)
+  w_OI = jnp.asarray(rng.normal(size=(48, 40)) / np.sqrt(40), w_dtype)
+  x_MI = jnp.asarray(rng.normal(size=(3, 40)), x_dtype)
+  exact = np.asarray(x_MI, np.float64) @ np.asarray(w_OI, np.float64).T
+  many = project(x_MI, w_OI, jnp.float32)
+  one = project(x_MI[None, 1:2], w_OI, jnp.float32)  # [1, 1, I]: one row in all
+  assert many.shape == (3, 48) and one.shape == (1, 1, 48) and one.dtype == jnp.float32
+  np.testing.assert_allclose(one[0, 0], many[1], rtol=1e-6, atol=1e-6)
+  err = np.abs(np.asarray(many) - exact).max()
+  assert err < 1e-5 if x_dtype == jnp.float32 else err < 1e-2
+  if (x_dtype, w_dtype) == (jnp.float32, jnp.bfloat16):
+    rounded = np.asarray(x_MI.astype(jnp.bfloat16), np.float64) @ np.asarray(w_OI, np.float64).T
+    assert err < np.abs(rounded - exact).max() / 30
+  jaxpr = str(jax.make_jaxpr(lambda x: project(x, w_OI, jnp.float32))(x_MI[:1]))
+  assert ("concatenate" in jaxpr) == (w_dtype == jnp.bfloat16)  # f32 weights: a plain dot
 
 
 # --- attention backends ----------------------------------------------------------------------

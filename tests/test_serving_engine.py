@@ -205,8 +205,8 @@ def test_sharded_engine_equals_decode(llm, tok, random_drafter, reference):
   mesh = serving_mesh(8)
   engine = Engine(llm, tok, random_drafter, config=ECFG, stop_ids=[EOS], mesh=mesh).start()
   try:
-    kernel = engine._place.llm_state["layers"][0]["mlp"]["up_proj"]["kernel"]
-    assert len(kernel[...].sharding.device_set) == 8
+    weight = engine._place.llm_state["layers"][0]["mlp"]["up_proj"]["weight"]
+    assert len(weight[...].sharding.device_set) == 8
     idx = [0, 2, 6, 13]
     results, _ = run_concurrently(
         engine, [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in idx])

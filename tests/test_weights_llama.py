@@ -19,7 +19,7 @@ def hf_state(hf_model) -> dict[str, np.ndarray]:
 
 
 def assert_same_weights(model, hf_model):
-  """Every parameter of ours equals the HF tensor it comes from (kernels transposed)."""
+  """Every parameter of ours equals the HF tensor it comes from, in the same layout."""
   ours = flat_params(model)
   theirs = hf_state(hf_model)
   if hf_model.config.tie_word_embeddings:
@@ -27,8 +27,8 @@ def assert_same_weights(model, hf_model):
   assert len(ours) == len(theirs)
   for name, value in ours.items():
     hf_name, transpose = HF_TABLE.to_theirs(name)
-    ref = theirs[hf_name].T if transpose else theirs[hf_name]
-    np.testing.assert_array_equal(np.asarray(value), ref, err_msg=name)
+    assert not transpose, name
+    np.testing.assert_array_equal(np.asarray(value), theirs[hf_name], err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "untied"])
@@ -44,10 +44,10 @@ def test_bfloat16_checkpoint_loads(tmp_path):
   hf = tiny_models.hf_model("llama")
   tiny_models.save(hf.to(torch.bfloat16), tmp_path / "bf16")
   model, _ = load_llama(tmp_path / "bf16", dtype=jnp.bfloat16)
-  kernel = model.layers[1].mlp.down_proj.kernel[...]
-  assert kernel.dtype == jnp.bfloat16
-  ref = hf.model.layers[1].mlp.down_proj.weight.detach().float().numpy().T
-  np.testing.assert_array_equal(np.asarray(kernel, np.float32), ref)
+  weight = model.layers[1].mlp.down_proj.weight[...]
+  assert weight.dtype == jnp.bfloat16
+  ref = hf.model.layers[1].mlp.down_proj.weight.detach().float().numpy()
+  np.testing.assert_array_equal(np.asarray(weight, np.float32), ref)
 
 
 def test_name_table_round_trips():
@@ -77,7 +77,7 @@ def edit_tensors(folder, edit):
 
 def test_missing_tensor_is_named(folder):
   edit_tensors(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-  with pytest.raises(WeightsError, match=r"missing tensor.*layers\.1\.mlp\.up_proj\.kernel"):
+  with pytest.raises(WeightsError, match=r"missing tensor.*layers\.1\.mlp\.up_proj\.weight"):
     load_llama(folder)
 
 
@@ -98,7 +98,7 @@ def test_tensor_of_a_layer_the_config_lacks_is_unexpected(folder):
 def test_shape_mismatch_is_named(folder):
   edit_tensors(folder, lambda t: t.update({"model.layers.0.mlp.gate_proj.weight":
                                            np.zeros((100, 64), np.float32)}))
-  with pytest.raises(WeightsError, match=r"gate_proj\.kernel.*\(64, 100\).*\(64, 128\)"):
+  with pytest.raises(WeightsError, match=r"gate_proj\.weight.*\(100, 64\).*\(128, 64\)"):
     load_llama(folder)
 
 
@@ -278,4 +278,4 @@ def test_smollm2_gguf_matches_its_published_architecture(smollm2):
           cfg.intermediate_size, cfg.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
   assert cfg.tie_word_embeddings and not cfg.attention_bias and cfg.rope_scaling is None
   assert cfg.rope_theta == 100000.0
-  assert model.layers[0].self_attn.q_proj.kernel.shape == (576, 576)
+  assert model.layers[0].self_attn.q_proj.weight.shape == (576, 576)

@@ -354,7 +354,10 @@ class Preset:
   """A YAML preset: which base model, the drafter, decoding and training settings."""
 
   model: str = "smollm2-135m"  # a known name (see weights.fetch) or a path to GGUF / HF folder
-  dtype: str = "float32"
+  dtype: str = "float32"  # the LLM's activations and KV cache (the drafter computes in it too)
+  # The LLM's weights (None: ``dtype``). bfloat16 with float32 activations: half the bytes per
+  # step and XLA:CPU's bf16 GEMM path, the fast CPU setting (``models/linear.py``).
+  param_dtype: str | None = None
   drafter: Mapping[str, Any] | None = None  # DrafterConfig fields beyond vocab/hidden size
   drafter_path: str | None = None  # a trained drafter folder, or "shipped" (checkpoints/)
   decode: DecodeConfig = DecodeConfig()
@@ -363,6 +366,9 @@ class Preset:
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
       raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+    if self.param_dtype not in (None, "float32", "bfloat16"):
+      raise ConfigError(f"param_dtype must be float32 or bfloat16 (or absent: dtype), got "
+                        f"{self.param_dtype!r}")
     if isinstance(self.decode, Mapping):
       object.__setattr__(self, "decode", DecodeConfig.from_dict(self.decode))
     if isinstance(self.train, Mapping):

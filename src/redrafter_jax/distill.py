@@ -77,16 +77,20 @@ def is_random(spec: str) -> bool:
   return str(spec).startswith(RANDOM_PREFIX)
 
 
-def load_teacher(spec: str, *, dtype: str = "float32", sharding=None) -> tuple[Llama, LlamaConfig]:
-  """The frozen base LLM for a model spec (known name, path, or ``random:<spec>``)."""
-  if dtype not in DTYPES:
-    raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+def load_teacher(spec: str, *, dtype: str = "float32", param_dtype: str | None = None,
+                 sharding=None) -> tuple[Llama, LlamaConfig]:
+  """The frozen base LLM for a model spec (known name, path, or ``random:<spec>``), with
+  activations in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``)."""
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype or dtype)):
+    if value not in DTYPES:
+      raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {value!r}")
+  kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype or dtype])
   if is_random(spec):
     cfg, seed, _ = _random_spec(spec)
-    return Llama(cfg, dtype=DTYPES[dtype], rngs=nnx.Rngs(seed)), cfg
+    return Llama(cfg, **kinds, rngs=nnx.Rngs(seed)), cfg
   from redrafter_jax.weights.llama_weights import load_llama
 
-  return load_llama(spec, dtype=DTYPES[dtype], sharding=sharding)
+  return load_llama(spec, **kinds, sharding=sharding)
 
 
 class ByteTokenizer:

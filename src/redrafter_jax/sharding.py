@@ -4,8 +4,8 @@ Mesh axes:
   ``data``   batch rows are split over it (data parallelism; spans processes on a cluster)
   ``model``  tensor parallelism for the base LLM (Megatron style)
 
-Base LLM (kernels are (in, out)): q/k/v and gate/up kernels are column-parallel (output features
-split over ``model``), o/down kernels row-parallel (input features split), so one attention block
+Base LLM (weights are (out, in), PyTorch's layout): q/k/v and gate/up weights are column-parallel
+(output features split over ``model``), o/down weights row-parallel (input features split), so one attention block
 and one MLP each need a single all-reduce. The embedding table and an untied ``lm_head`` are
 split over the vocabulary (vocab-parallel logits; the embedding gather becomes a masked lookup
 plus all-reduce). Norm scales are replicated. A dimension that the axis does not divide stays
@@ -35,12 +35,12 @@ DATA, MODEL = "data", "model"
 # (regex on the dotted parameter path, spec); the first match wins, no match means replicated.
 LLAMA_RULES: tuple[tuple[str, P], ...] = (
     (r"embed_tokens\.embedding$", P(MODEL, None)),
-    (r"lm_head\.kernel$", P(None, MODEL)),
-    (r"self_attn\.(q|k|v)_proj\.kernel$", P(None, MODEL)),
+    (r"lm_head\.weight$", P(MODEL, None)),
+    (r"self_attn\.(q|k|v)_proj\.weight$", P(MODEL, None)),
     (r"self_attn\.(q|k|v)_proj\.bias$", P(MODEL)),
-    (r"self_attn\.o_proj\.kernel$", P(MODEL, None)),
-    (r"mlp\.(gate|up)_proj\.kernel$", P(None, MODEL)),
-    (r"mlp\.down_proj\.kernel$", P(MODEL, None)),
+    (r"self_attn\.o_proj\.weight$", P(None, MODEL)),
+    (r"mlp\.(gate|up)_proj\.weight$", P(MODEL, None)),
+    (r"mlp\.down_proj\.weight$", P(None, MODEL)),
 )
 REPLICATED_RULES: tuple[tuple[str, P], ...] = ()
 
@@ -66,7 +66,7 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | No
 
 
 def path_name(path) -> str:
-  """``layers.0.mlp.up_proj.kernel`` from a pytree key path (an NNX Variable's own ``.value``
+  """``layers.0.mlp.up_proj.weight`` from a pytree key path (an NNX Variable's own ``.value``
   key is not part of the parameter's name)."""
   parts = []
   for key in path:

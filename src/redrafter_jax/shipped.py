@@ -58,6 +58,14 @@ def draft_vocab_for(path, requested: int | None = None) -> int:
   return int(decode_defaults(path).get("draft_vocab_size", 0))
 
 
+def param_dtype_for(path, requested: str | None = None) -> str:
+  """``requested`` if given, else the LLM weight dtype the drafter's settings were measured
+  with (its decode.json ``param_dtype``), else float32."""
+  if requested is not None:
+    return requested
+  return str(decode_defaults(path).get("param_dtype", "float32"))
+
+
 def recommended_config(path, *, beam_width: int | None = None, beam_length: int | None = None,
                        lookup_ngram: int | None = None, token_budget: int | None = None,
                        max_new_tokens: int = 128):

@@ -185,7 +185,7 @@ def build_drafter(preset: Preset, llm_cfg) -> Drafter:
 def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
   """The LLM's graph, its state placed on ``mesh`` (tensor-parallel rules), its config and its
   output projection ``[V, D]`` on the host (only when ``train.head_init`` is "llm")."""
-  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype)
+  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
   out_VD = None
   if preset.train.head_init == "llm" and not preset.train.init_drafter:
     out_VD = np.asarray(llm.output_matrix(), np.float32)

@@ -46,12 +46,13 @@ def timed(fn, tries: int = 3):
 class Runner:
   """Runs one method on a batch of token-id prompts and measures it."""
 
-  def __init__(self, o, llm, drafter, tok, hf):
+  def __init__(self, o, llm, drafter, tok, hf, llm_fp32=None):
     from redrafter_jax import decode as dec
     from redrafter_jax.config import DecodeConfig
     from redrafter_jax.tokenizer import stop_token_ids
 
     self.o, self.llm, self.hf = o, llm, hf
+    self.llm_fp32 = llm_fp32  # float32 weights, for methods that ask for them
     self.stops = stop_token_ids(tok)
     self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
     # Restrict the draft vocabulary once, not inside every timed call.
@@ -89,7 +90,8 @@ class Runner:
 
     o = self.o
     if m.kind == "ar":
-      r = generate(self.llm, prompts, max_new_tokens=o.max_new_tokens, temperature=m.temperature,
+      llm = self.llm_fp32 if m.param_dtype == "float32" and self.llm_fp32 else self.llm
+      r = generate(llm, prompts, max_new_tokens=o.max_new_tokens, temperature=m.temperature,
                    seed=seed, stop_ids=self.stops, cache_size=cache_size)
       return r.tokens, dict(steps=r.steps, tokens_per_step=1.0)
     if m.kind == "redrafter":
@@ -141,7 +143,8 @@ def environment(o, hf) -> dict:
 
 
 def load_models(o):
-  """``(llm, drafter, tokenizer, transformers model or None, note on skipped peers)``."""
+  """``(llm, llm with float32 weights or None, drafter, tokenizer, transformers model or None,
+  note on skipped peers)``; the second LLM only when ``--param-dtype`` is not float32."""
   import jax.numpy as jnp
 
   from redrafter_jax.bench.decode import load_drafter_arg
@@ -149,7 +152,10 @@ def load_models(o):
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 
   dtype = jnp.dtype(o.dtype)
-  llm, cfg = load_llama(o.model, dtype=dtype, backend=o.attention)
+  llm, cfg = load_llama(o.model, dtype=dtype, param_dtype=jnp.dtype(o.param_dtype),
+                        backend=o.attention)
+  llm_fp32 = (load_llama(o.model, dtype=dtype, backend=o.attention)[0]
+              if o.param_dtype != "float32" and o.dtype == "float32" else None)
   path = resolve_source(o.model)
   drafter = load_drafter_arg(o.drafter, cfg, o.exit_dim, dtype=dtype)
   hf, note = None, ""
@@ -163,4 +169,4 @@ def load_models(o):
       hf = load_hf(path)
       if o.gpu:
         hf = hf.to(device="cuda", dtype=getattr(torch, o.dtype))
-  return llm, drafter, load_tokenizer(path), hf, note
+  return llm, llm_fp32, drafter, load_tokenizer(path), hf, note

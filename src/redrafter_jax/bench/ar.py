@@ -1,7 +1,7 @@
 """``python -m redrafter_jax.bench ar``: our AR decoding against transformers' PyTorch ``generate``.
 
-Same machine, same run, same weights (the model's GGUF, dequantized to float32 on both sides),
-batch 1, greedy, chat-formatted Spec-Bench prompts, and exactly ``--max-new-tokens`` new tokens
+Same machine, same run, same weights (the model's GGUF, dequantized to float32 on both sides;
+``--param-dtype bfloat16`` rounds ours to bfloat16, activations staying float32), batch 1, greedy, chat-formatted Spec-Bench prompts, and exactly ``--max-new-tokens`` new tokens
 on both sides (transformers with ``min_new_tokens``, ours without stop tokens). The two run
 interleaved prompt by prompt, so changes in machine load hit both alike. tokens/s is new tokens
 over the wall time of the whole call (prefill included); our compile time is excluded by an
@@ -38,6 +38,8 @@ def parse_args(argv):
   p.add_argument("--prefix", type=int, default=256, help="cached tokens before timed forwards")
   p.add_argument("--forward-tokens", default="1,8,16,32,64", help="T values for forward costs")
   p.add_argument("--reps", type=int, default=10, help="timed repetitions per forward size")
+  p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="our LLM's weights (activations stay float32)")
   args = p.parse_args(argv)
   if args.num_prompts < 1 or args.max_new_tokens < 1 or args.reps < 1 or args.prefix < 1:
     p.error("--num-prompts, --max-new-tokens, --reps and --prefix must be >= 1")
@@ -188,8 +190,9 @@ def forward_table(model, hf, prefix: list[int], sizes: list[int], reps: int) -> 
   with torch.inference_mode():
     hf_cache = hf(torch.tensor([prefix]), use_cache=True).past_key_values
 
-  lines = [f"| T | ours ms | transformers ms | ours/HF | ours ms per token |",
-           "|---:|---:|---:|---:|---:|"]
+  lines = ["| T | ours ms | transformers ms | ours/HF | ours ms per token | ours vs T=1 |",
+           "|---:|---:|---:|---:|---:|---:|"]
+  ms_one = None
   rng = np.random.default_rng(0)
   for T in sizes:
     new = rng.integers(0, model.config.vocab_size, (1, T)).astype(np.int32)
@@ -207,8 +210,9 @@ def forward_table(model, hf, prefix: list[int], sizes: list[int], reps: int) -> 
 
     ms_ours = median_ms(ours, reps)
     ms_hf = median_ms(theirs, reps)
+    ms_one = ms_ours if T == 1 else ms_one
     lines.append(f"| {T} | {ms_ours:.1f} | {ms_hf:.1f} | {ms_hf / ms_ours:.2f}x "
-                 f"| {ms_ours / T:.2f} |")
+                 f"| {ms_ours / T:.2f} | {f'{ms_ours / ms_one:.2f}' if ms_one else 'n/a'} |")
   return lines
 
 
@@ -233,12 +237,15 @@ def main(argv=None) -> int:
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  model, _ = load_llama(args.model)
+  import jax.numpy as jnp
+
+  model, _ = load_llama(args.model, param_dtype=jnp.dtype(args.param_dtype))
   path = resolve_source(args.model)
   tok = load_tokenizer(path)
   hf = load_hf(path)
 
-  print(f"# AR decoding: redrafter_jax (JAX) vs transformers (PyTorch), {args.model}, fp32, "
+  print(f"# AR decoding: redrafter_jax (JAX) vs transformers (PyTorch), {args.model}, ours "
+        f"float32 activations with {args.param_dtype} weights, transformers float32, "
         f"batch 1, greedy, {args.max_new_tokens} new tokens per prompt")
   print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__} "
         f"({jax.default_backend()}); torch {torch.__version__} ({torch.get_num_threads()} "

@@ -170,6 +170,8 @@ def main(argv=None) -> int:
   ap.add_argument("--draft-vocab", type=int, default=None,
                   help="draft vocabulary size (0 = all; default: the drafter's decode.json, else all)")
   ap.add_argument("--repeat", type=int, default=10, help="repeats for the step split")
+  ap.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                  help="the LLM's weights (activations stay float32)")
   args = ap.parse_args(argv)
   try:
     settings = Beams.parse_list(args.beams)
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
     ap.error(f"--beams: {e}")
   args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
 
-  llm, llm_cfg = load_llama(args.model)
+  llm, llm_cfg = load_llama(args.model, param_dtype=jnp.dtype(args.param_dtype))
   tok = load_tokenizer(resolve_source(args.model))
   stops = stop_token_ids(tok)
   drafter = load_drafter_arg(args.drafter, llm_cfg, args.exit_dim)
@@ -185,7 +187,8 @@ def main(argv=None) -> int:
   cfgs = [b.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
           for b in settings]
   print(f"# {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, "
-        f"greedy, batch 1, drafter={args.drafter}, draft_vocab={args.draft_vocab or 'all'}, "
+        f"greedy, batch 1, {args.param_dtype} weights, drafter={args.drafter}, "
+        f"draft_vocab={args.draft_vocab or 'all'}, "
         f"device={jax.devices()[0].platform}")
   # Warm up (compile) every program first, then interleave the timed runs by prompt.
   generate(llm, [prompts[0]], max_new_tokens=args.max_new_tokens, stop_ids=stops)

@@ -41,6 +41,8 @@ def parse_args(argv):
   p.add_argument("--prompt-tokens", type=int, default=200, help="length of a synthetic prompt")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--top", type=int, default=20, help="rows to print")
+  p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="the LLM's weights (activations stay float32)")
   args = p.parse_args(argv)
   if min(args.prompt_tokens, args.max_new_tokens, args.top) < 1:
     p.error("--prompt-tokens, --max-new-tokens and --top must be >= 1")
@@ -157,7 +159,9 @@ def _run(args, dump: pathlib.Path) -> int:
   from redrafter_jax.weights.drafter_io import load_drafter
   from redrafter_jax.weights.llama_weights import load_llama
 
-  llm, cfg = load_llama(args.model)
+  import jax.numpy as jnp
+
+  llm, cfg = load_llama(args.model, param_dtype=jnp.dtype(args.param_dtype))
   prompt = [1] + [100 + i % (cfg.vocab_size - 100) for i in range(args.prompt_tokens - 1)]
   if args.mode == "ar":
     run = lambda: generate(llm, [prompt], max_new_tokens=args.max_new_tokens)
@@ -172,7 +176,8 @@ def _run(args, dump: pathlib.Path) -> int:
     what = (f"ReDrafter decode W={dcfg.beam_width} L={dcfg.beam_length} "
             f"lookup={dcfg.lookup_ngram} N={dcfg.num_tree_tokens}")
   seconds, steps, table = profile(run, steps_of, dump)
-  print(f"# {what}: {args.model}, {jax.default_backend()}, prompt {args.prompt_tokens} tokens, "
+  print(f"# {what}: {args.model} ({args.param_dtype} weights), {jax.default_backend()}, "
+        f"prompt {args.prompt_tokens} tokens, "
         f"{args.max_new_tokens} new; {steps} steps, {seconds / steps * 1e3:.1f} ms/step wall "
         f"(the whole call over its steps, prefill included)\n")
   loop = [r for r in table if r[2] != OUTSIDE_LOOP]

@@ -20,6 +20,7 @@ import tempfile
 
 SCHEMA = 1
 GREEDY_AR, HF_GREEDY = "ar_greedy", "transformers_greedy"
+FP32_AR = "ar_greedy_fp32"  # our AR with float32 weights, in runs whose LLM has bf16 weights
 
 
 class ResultsError(RuntimeError):
@@ -129,6 +130,7 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 def greedy_table(data: dict) -> list[str]:
   runs, methods = data["runs"], data["methods"]
+  fp32 = FP32_AR in methods and bool(measured(runs, FP32_AR))
   rows = []
   for k in with_runs(data, lambda m: m["temperature"] == 0):
     pids = measured(runs, k)
@@ -137,9 +139,11 @@ def greedy_table(data: dict) -> list[str]:
     tokens = sum(runs[p][k]["new_tokens"] for p in pids)
     rows.append([methods[k]["label"], str(len(pids)), str(tokens), fmt(rate(runs, k, pids)),
                  fmt(speedup(runs, k, GREEDY_AR), ".2f", "x"),
+                 *([fmt(speedup(runs, k, FP32_AR), ".2f", "x")] if fp32 else []),
                  fmt(speedup(runs, k, HF_GREEDY), ".2f", "x"),
                  fmt(tokens_per_step(runs, k, pids), ".2f"), f"{agree}/{len(same)}"])
-  return table(["method", "prompts", "new tokens", "tokens/s", "vs our AR", "vs transformers",
+  return table(["method", "prompts", "new tokens", "tokens/s", "vs our AR",
+                *(["vs our AR, fp32 weights"] if fp32 else []), "vs transformers",
                 "tokens/step", "same tokens as our AR"], rows)
 
 
@@ -216,7 +220,10 @@ def header(data: dict) -> list[str]:
            f"{env.get('device')} ({env.get('backend')}); jax {env.get('jax')}, torch "
            f"{env.get('torch', 'n/a')} ({env.get('torch_threads', 'n/a')} threads), transformers "
            f"{env.get('transformers', 'n/a')}.",
-           f"Model {s['model']} ({s['dtype']}, attention {s['attention']}); drafter "
+           f"Model {s['model']} ({s['dtype']} activations, {s.get('param_dtype') or s['dtype']} "
+           f"weights, attention {s['attention']}; transformers "
+           f"{s['dtype'] if str(env.get('transformers_device')).startswith('cuda') else 'float32'}"
+           f"); drafter "
            f"{s['drafter']}; up to {s['max_new_tokens']} new tokens per prompt (stop tokens end "
            f"a response); {len(data['prompts'])} Spec-Bench prompts, batch 1 unless stated.",
            f"Command: `python -m redrafter_jax.bench suite {' '.join(env.get('argv', []))}`.",
@@ -248,7 +255,9 @@ compilation excluded: a call that compiled is timed again). Speedups are ratios 
 the prompts both methods ran on, in the same run, interleaved prompt by prompt. tokens/step:
 ReDrafter's (accepted drafted tokens + 1) per verification step; transformers': new tokens per
 forward call; AR: 1. "same tokens": prompts whose greedy output equals our AR greedy output
-token for token (float32 ties may flip a few). Typical acceptance is lossy by design: its output
+token for token (float32 ties may flip a few). "our AR greedy, float32 weights" (runs with bfloat16
+weights) is the same model with its weights unrounded: its tokens may differ from the
+bfloat16-weight AR's, ReDrafter's must not. Typical acceptance is lossy by design: its output
 distribution differs from the model's."""
 
 

@@ -3,7 +3,9 @@
 On the same prompts, machine and run, INTERLEAVED prompt by prompt (every method runs on a
 prompt before the next prompt starts, so drift in machine load hits all methods alike):
 
-  our AR         ``generate``: greedy, and sampled at each ``--temperatures`` value
+  our AR         ``generate``: greedy, and sampled at each ``--temperatures`` value; with
+                 ``--param-dtype bfloat16`` also greedy with float32 weights (the precision
+                 the other methods would otherwise run in)
   ReDrafter      ``decode``: greedy at each ``--beams`` (W, L; ``WxL+N`` adds the context-lookup
                  beam); exact sampling at each temperature and typical acceptance (lossy) at
                  ``--typical-temperature``, at ``--main-beams``
@@ -42,6 +44,7 @@ import zlib
 from redrafter_jax.bench._runner import Runner, environment, load_models
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
 from redrafter_jax.bench.decode import Beams
+from redrafter_jax.bench.report import FP32_AR
 
 # CPU defaults: a full run stays well under an hour on 2 idle cores (13 prompts x 12 methods;
 # --per-category 2 roughly doubles the measuring). On CPU the verify forward grows with the tree
@@ -73,6 +76,7 @@ class Method:
   reference: str = "ar_greedy"  # our AR at the same temperature: the speedup baseline
   lookup_ngram: int = 0  # the context-lookup beam's n-gram size (0: none)
   token_budget: int = 0  # tree tokens N (0: the whole tree)
+  param_dtype: str = ""  # the LLM's weights when not the run's own (--param-dtype)
 
   @classmethod
   def redrafter(cls, b: Beams, prefix: str = "", label: str = "", temperature: float = 0.0,
@@ -122,7 +126,11 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--split-repeat", type=int, help="timed repeats of each step part")
   p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
   p.add_argument("--quick", action="store_true", help="~2-minute smoke run")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 (bf16 --gpu)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="the LLM's activations and "
+                 "the drafter's dtype: default float32 (bf16 --gpu)")
+  p.add_argument("--param-dtype", choices=("float32", "bfloat16"),
+                 help="the LLM's weights (default: --dtype); bfloat16 with float32 activations "
+                 "is the fast CPU setting, and adds our float32 AR as a baseline")
   p.add_argument("--attention", choices=("xla", "cudnn"), help="default xla (cudnn with --gpu)")
   p.add_argument("--gpu", action="store_true", help="NVIDIA GPU preset: bf16, cudnn attention, "
                  f"beams {GPU['beams']}, main beams {GPU['main_beams']}, batch sizes "
@@ -136,6 +144,7 @@ def parse_args(argv) -> argparse.Namespace:
     if getattr(o, name) is None:
       setattr(o, name, value)
   o.dtype = o.dtype or ("bfloat16" if o.gpu else "float32")
+  o.param_dtype = o.param_dtype or o.dtype
   o.attention = o.attention or ("cudnn" if o.gpu else "xla")
   o.beams = parse_beams(p, "--beams", o.beams)
   o.main_beams = parse_beams(p, "--main-beams", o.main_beams)[0]
@@ -174,6 +183,8 @@ def build_methods(o) -> list[Method]:
   main = o.main_beams
   sampled = sorted(set(o.temperatures) | ({o.typical_temperature} - {0.0}))
   out = [Method("ar_greedy", "our AR greedy", "ar")]
+  if o.param_dtype != "float32" and o.dtype == "float32":
+    out.append(Method(FP32_AR, "our AR greedy, float32 weights", "ar", param_dtype="float32"))
   if not o.no_transformers:
     out.append(Method("transformers_greedy", "transformers greedy", "transformers"))
   out += [Method.redrafter(b) for b in o.beams]
@@ -236,7 +247,7 @@ def settings_of(o) -> dict:
               drafter_sha256=(None if o.drafter == "random" else
                               shipped.fingerprint(shipped.resolve_drafter(o.drafter))),
               exit_dim=o.exit_dim if o.drafter == "random" else None,
-              dtype=o.dtype, attention=o.attention,
+              dtype=o.dtype, param_dtype=o.param_dtype, attention=o.attention,
               max_new_tokens=o.max_new_tokens, draft_vocab=o.draft_vocab,
               prompt_lookup_tokens=o.prompt_lookup_tokens, seed=o.seed,
               torch_threads=None if o.no_transformers or o.gpu else o.torch_threads)
@@ -261,8 +272,8 @@ def run(o) -> pathlib.Path:
   rows = select_prompts(o.prompts, o.per_category)
   folder = run_folder(o.out, machine_slug(o.gpu), o.quick)
   store = Store(folder / "measurements.json", settings_of(o))
-  llm, drafter, tok, hf, note = load_models(o)
-  runner = Runner(o, llm, drafter, tok, hf)
+  llm, llm_fp32, drafter, tok, hf, note = load_models(o)
+  runner = Runner(o, llm, drafter, tok, hf, llm_fp32)
   store.data["sessions"].append(dict(environment(o, hf), note=note))
   prompts = {}
   for row in rows:

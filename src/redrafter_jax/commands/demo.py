@@ -3,6 +3,8 @@
 Generates the answer to a few chat prompts twice, with plain AR greedy decoding and with
 ReDrafter greedy decoding, and prints the text, both speeds and the tokens per step. Compilation
 is done (and excluded) first; greedy ReDrafter must print exactly the AR text, and says so.
+Both run the same model: by default the LLM's weights in the precision the drafter's settings
+were measured with (``decode.json``: bfloat16 weights, float32 activations for the shipped one).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def add_arguments(p) -> None:
   p.add_argument("--token-budget", type=int, default=None,
                  help="tree tokens N (default: the drafter's own when W, L and lookup are its "
                  "own too, else the whole tree)")
+  p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
+                 help="the LLM's weights (activations stay float32; default: the drafter's own "
+                 "measured setting, bfloat16 for the shipped one)")
   p.add_argument("--prompt", action="append", default=None,
                  help="a chat prompt (repeatable; default: three built-in ones)")
 
@@ -38,7 +43,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
   from redrafter_jax.decode import decode
   from redrafter_jax.generate import generate
-  from redrafter_jax.shipped import recommended_config, resolve_drafter
+  import jax.numpy as jnp
+
+  from redrafter_jax.shipped import param_dtype_for, recommended_config, resolve_drafter
   from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter
@@ -49,12 +56,14 @@ def run(args) -> int:
   cfg = recommended_config(path, beam_width=args.beam_width, beam_length=args.beam_length,
                            lookup_ngram=args.lookup_ngram, token_budget=args.token_budget,
                            max_new_tokens=args.max_new_tokens)
-  llm, _ = load_llama("smollm2-135m")
+  param_dtype = param_dtype_for(path, args.param_dtype)
+  llm, _ = load_llama("smollm2-135m", param_dtype=jnp.dtype(param_dtype))
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))
   drafter = load_drafter(path)
   stops = stop_token_ids(tok)
   prompts = [encode(tok, p, chat=True) for p in (args.prompt or PROMPTS)]
-  print(f"SmolLM2-135M-Instruct (fp32, CPU={len(__import__('os').sched_getaffinity(0))} cores), "
+  print(f"SmolLM2-135M-Instruct (float32 activations, {param_dtype} weights, "
+        f"CPU={len(__import__('os').sched_getaffinity(0))} cores), "
         f"drafter {path}, W={cfg.beam_width} L={cfg.beam_length} "
         f"lookup={cfg.lookup_ngram or 'off'} N={cfg.num_tree_tokens} "
         f"draft vocab={cfg.draft_vocab_size or 'all'}", flush=True)

@@ -10,7 +10,10 @@ def add_arguments(p):
   p.add_argument("--out", required=True, help="output folder (resumed if it exists)")
   p.add_argument("--model", default="smollm2-135m",
                  help="base model: known name, GGUF/HF path, or random:<spec> (tests)")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="the LLM's activations")
+  p.add_argument("--param-dtype", default=None, choices=["float32", "bfloat16"],
+                 help="the LLM's weights (default: --dtype; bfloat16 is the fast CPU setting)")
   p.add_argument("--limit", type=int, default=None, help="use N prompts drawn at random (seeded) from the file")
   p.add_argument("--max-new-tokens", type=int, default=256)
   p.add_argument("--batch-size", type=int, default=16)
@@ -32,7 +35,8 @@ def run(args) -> int:
   from redrafter_jax.data import DataError
 
   try:
-    llm, cfg = distill.load_teacher(args.model, dtype=args.dtype)
+    llm, cfg = distill.load_teacher(args.model, dtype=args.dtype,
+                                      param_dtype=args.param_dtype)
     tok = distill.load_teacher_tokenizer(args.model)
     stats = distill.distill(
         llm, tok, args.prompts, args.out, model_name=args.model, limit=args.limit,

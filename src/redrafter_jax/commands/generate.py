@@ -26,7 +26,11 @@ def add_arguments(p) -> None:
   p.add_argument("--system", default=None, help="system message (with --chat)")
   p.add_argument("--model", default="smollm2-135m",
                  help="a known model name (smollm2-135m) or a path to a .gguf file or an HF folder")
-  p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
+  p.add_argument("--dtype", choices=DTYPES, default="float32",
+                 help="activations and KV cache")
+  p.add_argument("--param-dtype", choices=DTYPES, default=None,
+                 help="weights (default: --dtype); bfloat16 with float32 activations is the "
+                 "fast CPU setting")
   p.add_argument("--backend", choices=BACKENDS, default="xla", help="attention implementation")
   p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
   p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -85,13 +89,16 @@ def decode_config(args, draft_vocab: int):
 
 
 def load_model(args):
-  """``(model, tokenizer)`` for ``--model`` in ``--dtype`` with ``--backend``."""
+  """``(model, tokenizer)`` for ``--model`` in ``--dtype`` / ``--param-dtype`` with
+  ``--backend``."""
   import jax.numpy as jnp
 
   from redrafter_jax.tokenizer import load_tokenizer
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 
-  model, _ = load_llama(args.model, dtype=jnp.dtype(args.dtype), backend=args.backend)
+  model, _ = load_llama(args.model, dtype=jnp.dtype(args.dtype),
+                        param_dtype=jnp.dtype(args.param_dtype or args.dtype),
+                        backend=args.backend)
   return model, load_tokenizer(resolve_source(args.model))
 
 

@@ -10,7 +10,10 @@ def add_arguments(p):
   p.add_argument("--num", type=int, required=True, help="requests to collect")
   p.add_argument("--model", default="smollm2-135m",
                  help="base model: known name, GGUF/HF path, or random:<spec> (tests)")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="the LLM's activations")
+  p.add_argument("--param-dtype", default=None, choices=["float32", "bfloat16"],
+                 help="the LLM's weights (default: --dtype; bfloat16 is the fast CPU setting)")
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--max-new-tokens", type=int, default=96,
                  help="longest request; a request that has not ended by then is dropped")
@@ -25,7 +28,8 @@ def run(args) -> int:
   from redrafter_jax.data import DataError
 
   try:
-    llm, _ = distill.load_teacher(args.model, dtype=args.dtype)
+    llm, _ = distill.load_teacher(args.model, dtype=args.dtype,
+                                      param_dtype=args.param_dtype)
     tok = distill.load_teacher_tokenizer(args.model)
     stats = self_prompts.write_self_prompts(
         llm, tok, args.out, num=args.num, source=f"self-prompts ({args.model})",

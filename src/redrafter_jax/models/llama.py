@@ -9,8 +9,10 @@ tokens' K/V are written at each row's first uncommitted slots and left uncommitt
 ``cache=None`` the forward attends only among the T tokens (``mask_BTS`` is then ``[B, T, T]``),
 which is what training uses. ``hidden`` is taken AFTER the final norm: it is the drafter's input.
 
-Parameter names mirror Hugging Face's (``layers.3.self_attn.q_proj.kernel``) so the name tables
-in ``weights/`` stay one line per tensor. Kernels are (in, out).
+Parameter names and layouts mirror Hugging Face's (``layers.3.self_attn.q_proj.weight``,
+``[out, in]``) so the name tables in ``weights/`` stay one line per tensor. ``dtype`` is the
+activations' (and KV cache's) dtype, ``param_dtype`` the weights' (default: ``dtype``); float32
+activations with bfloat16 weights is the fast CPU setting (see ``models/linear.py``).
 """
 
 from __future__ import annotations
@@ -24,19 +26,20 @@ from flax import nnx
 from redrafter_jax import kv_cache as kvc
 from redrafter_jax.config import LlamaConfig
 from redrafter_jax.models.attention import attend
+from redrafter_jax.models.linear import Dense, Embed
 
 
 class RMSNorm(nnx.Module):
   """Normalise in float32, cast back, then scale (the order Hugging Face's Llama uses)."""
 
-  def __init__(self, dim: int, eps: float, *, dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+  def __init__(self, dim: int, eps: float, *, param_dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...] * x32.astype(x.dtype)
+    return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
@@ -71,10 +74,10 @@ def apply_rope(x_BTHE, cos_BTE, sin_BTE):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    linear = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                                           rngs=rngs)
+    linear = lambda i, o, bias: Dense(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                                      rngs=rngs)
     self.q_proj = linear(D, H * E, cfg.attention_bias)
     self.k_proj = linear(D, K * E, cfg.attention_bias)
     self.v_proj = linear(D, K * E, cfg.attention_bias)
@@ -99,10 +102,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     D, F = cfg.hidden_size, cfg.intermediate_size
-    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype,
-                                     rngs=rngs)
+    linear = lambda i, o: Dense(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
     self.gate_proj, self.up_proj, self.down_proj = linear(D, F), linear(D, F), linear(F, D)
 
   def __call__(self, x_BTD):
@@ -111,11 +114,12 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
-    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-    self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.input_layernorm = norm()
+    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_layernorm = norm()
+    self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend):
     attn_BTD, cache = self.self_attn(self.input_layernorm(x_BTD), cos_BTE, sin_BTE, mask_BTS,
@@ -126,21 +130,25 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """The base LLM. ``backend`` picks the attention implementation (``xla`` or ``cudnn``)."""
+  """The base LLM. ``backend`` picks the attention implementation (``xla`` or ``cudnn``);
+  ``dtype`` the activations' and the KV cache's dtype, ``param_dtype`` the weights' (None: the
+  same)."""
 
-  def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, backend: str = "xla",
-               rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
+               backend: str = "xla", rngs: nnx.Rngs):
+    param_dtype = dtype if param_dtype is None else param_dtype
     self.config = cfg
     self.dtype = dtype
+    self.param_dtype = param_dtype
     self.backend = backend
-    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                  param_dtype=dtype, rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+    self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                             for _ in range(cfg.num_layers)])
-    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
-                                param_dtype=dtype, rngs=rngs)
+      self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
+                           param_dtype=param_dtype, rngs=rngs)
 
   def embed(self, tokens):
     return self.embed_tokens(tokens)
@@ -165,7 +173,7 @@ class Llama(nnx.Module):
     """The output projection as ``[V, D]`` (the embedding table when they are tied)."""
     if self.config.tie_word_embeddings:
       return self.embed_tokens.embedding[...]
-    return self.lm_head.kernel[...].T
+    return self.lm_head.weight[...]
 
   def __call__(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None):
     hidden_BTD, cache = self.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
@@ -176,6 +184,8 @@ class Llama(nnx.Module):
     return kvc.init(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
 
 
-def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, backend: str = "xla") -> Llama:
+def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
+                   backend: str = "xla") -> Llama:
   """A Llama with shape-only parameters (no memory, no random init), for loading weights into."""
-  return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, backend=backend, rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, param_dtype=param_dtype,
+                                      backend=backend, rngs=nnx.Rngs(0)))

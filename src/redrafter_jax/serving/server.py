@@ -68,7 +68,7 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   from redrafter_jax.distill import load_teacher, load_teacher_tokenizer
 
   mesh = serving_mesh(devices)
-  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype)
+  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
   tok = load_teacher_tokenizer(preset.model)
   engine_config = EngineConfig(
       slots=slots, max_context=max_context or min(2048, llm_cfg.max_position_embeddings),

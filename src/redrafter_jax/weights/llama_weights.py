@@ -21,26 +21,27 @@ from redrafter_jax.models.llama import Llama, abstract_llama, rope_inv_freq
 from redrafter_jax.weights.naming import NameTable, Rule, WeightsError
 from redrafter_jax.weights.params import load_into
 
+# Ours keep Hugging Face's layout ([out, in]); only the names differ.
 _LAYER = [
-    ("self_attn.q_proj.kernel", "self_attn.q_proj.weight", True),
-    ("self_attn.k_proj.kernel", "self_attn.k_proj.weight", True),
-    ("self_attn.v_proj.kernel", "self_attn.v_proj.weight", True),
-    ("self_attn.o_proj.kernel", "self_attn.o_proj.weight", True),
-    ("self_attn.q_proj.bias", "self_attn.q_proj.bias", False),
-    ("self_attn.k_proj.bias", "self_attn.k_proj.bias", False),
-    ("self_attn.v_proj.bias", "self_attn.v_proj.bias", False),
-    ("mlp.gate_proj.kernel", "mlp.gate_proj.weight", True),
-    ("mlp.up_proj.kernel", "mlp.up_proj.weight", True),
-    ("mlp.down_proj.kernel", "mlp.down_proj.weight", True),
-    ("input_layernorm.scale", "input_layernorm.weight", False),
-    ("post_attention_layernorm.scale", "post_attention_layernorm.weight", False),
+    ("self_attn.q_proj.weight", "self_attn.q_proj.weight"),
+    ("self_attn.k_proj.weight", "self_attn.k_proj.weight"),
+    ("self_attn.v_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.o_proj.weight", "self_attn.o_proj.weight"),
+    ("self_attn.q_proj.bias", "self_attn.q_proj.bias"),
+    ("self_attn.k_proj.bias", "self_attn.k_proj.bias"),
+    ("self_attn.v_proj.bias", "self_attn.v_proj.bias"),
+    ("mlp.gate_proj.weight", "mlp.gate_proj.weight"),
+    ("mlp.up_proj.weight", "mlp.up_proj.weight"),
+    ("mlp.down_proj.weight", "mlp.down_proj.weight"),
+    ("input_layernorm.scale", "input_layernorm.weight"),
+    ("post_attention_layernorm.scale", "post_attention_layernorm.weight"),
 ]
 
 HF_TABLE = NameTable("hf-llama", [
     Rule("embed_tokens.embedding", "model.embed_tokens.weight"),
     Rule("norm.scale", "model.norm.weight"),
-    Rule("lm_head.kernel", "lm_head.weight", True),
-    *[Rule(f"layers.{{i}}.{o}", f"model.layers.{{i}}.{t}", tr) for o, t, tr in _LAYER],
+    Rule("lm_head.weight", "lm_head.weight"),
+    *[Rule(f"layers.{{i}}.{o}", f"model.layers.{{i}}.{t}") for o, t in _LAYER],
 ])
 
 # llama.cpp's names, mapped to Hugging Face's (then through HF_TABLE to ours).
@@ -208,13 +209,16 @@ def read_llama(source) -> tuple[LlamaConfig, dict[str, np.ndarray], pathlib.Path
   return (*read_gguf(path), path)
 
 
-def load_llama(source, *, dtype=jnp.float32, backend: str = "xla", sharding=None
-               ) -> tuple[Llama, LlamaConfig]:
+def load_llama(source, *, dtype=jnp.float32, param_dtype=None, backend: str = "xla",
+               sharding=None) -> tuple[Llama, LlamaConfig]:
+  """The model and its config. ``dtype``: activations and KV cache; ``param_dtype``: the weights
+  (None: ``dtype``). Float32 activations with bfloat16 weights is the fast CPU setting."""
   check_backend(backend)
+  param_dtype = dtype if param_dtype is None else param_dtype
   cfg, tensors, path = read_llama(source)
   if cfg.tie_word_embeddings:
     tensors.pop("lm_head.weight", None)  # some tied checkpoints also store the copy
   ours = HF_TABLE.import_arrays(tensors, ignore=_ignored)
-  model = load_into(abstract_llama(cfg, dtype=dtype, backend=backend), ours, dtype=dtype,
-                    source=str(path), sharding=sharding)
+  model = load_into(abstract_llama(cfg, dtype=dtype, param_dtype=param_dtype, backend=backend),
+                    ours, dtype=param_dtype, source=str(path), sharding=sharding)
   return model, cfg

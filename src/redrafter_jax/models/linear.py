@@ -1,0 +1,82 @@
+"""The base LLM's projections: weights stored ``[out, in]`` (PyTorch's layout), any weight dtype.
+
+``project(x_xI, w_OI, dtype)`` is ``x @ w.T`` with the input cast to the weight's dtype and the
+products accumulated in float32, then cast to ``dtype`` (the activations' dtype). With float32
+weights that is the plain float32 matmul. With bfloat16 weights and float32 activations
+("bf16 weights") every matmul reads half the bytes and takes XLA:CPU's bf16 GEMM path, which on
+CPUs with AVX512-BF16/AMX makes a forward over 2-16 new tokens cost about what a float32 forward
+over one token does (``python -m redrafter_jax.bench ar --param-dtype bfloat16 --forward-tokens
+1,2,5,16``): a verified tree costs about an AR step. Two facts of XLA:CPU shape this code:
+
+- the ``[out, in]`` layout (contract the last axis of both operands) is served by the GEMM
+  library for bf16 weights; ``[in, out]`` is ~1.5x slower there, and feeding a bf16 weight to a
+  float32 dot makes XLA convert the whole weight to float32 on every call;
+- a low-precision matmul with a single row is lowered to a slow generic loop, so one row is
+  padded to two (AR decoding at batch 1; the second row is discarded). Float32 is unaffected.
+
+Rows are independent either way: the padding row never changes the real row's result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def project(x_xI: jax.Array, w_OI: jax.Array, dtype) -> jax.Array:
+  """``x_xI @ w_OI.T`` for inputs of any leading shape: ``[..., I] -> [..., O]`` in ``dtype``."""
+  *lead, I = x_xI.shape
+  x_MI = x_xI.reshape(-1, I)
+  M = x_MI.shape[0]
+  if jnp.finfo(x_MI.dtype).nmant > jnp.finfo(w_OI.dtype).nmant:
+    # Float32 activations, low-precision weights: x = hi + lo, both in the weight's dtype, as
+    # extra rows of one matmul (x keeps ~16 of its 24 mantissa bits, products are exact, sums
+    # float32). Rounding x to bf16 alone would turn float32 noise into 2^-9 steps.
+    hi_MI = x_MI.astype(w_OI.dtype)
+    lo_MI = (x_MI - hi_MI.astype(x_MI.dtype)).astype(w_OI.dtype)
+    y_RO = _dot(jnp.concatenate([hi_MI, lo_MI], axis=0), w_OI)
+    y_MO = y_RO[:M] + y_RO[M:]
+  elif M == 1 and w_OI.dtype != jnp.float32:
+    y_MO = _dot(jnp.concatenate([x_MI, x_MI], axis=0).astype(w_OI.dtype), w_OI)[:1]
+  else:
+    y_MO = _dot(x_MI.astype(w_OI.dtype), w_OI)
+  return y_MO.astype(dtype).reshape(*lead, w_OI.shape[0])
+
+
+def _dot(x_RI, w_OI):
+  return jax.lax.dot_general(x_RI, w_OI, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+class Dense(nnx.Module):
+  """``y = x W^T + b`` with ``weight`` ``[out, in]`` in ``param_dtype``, output in ``dtype``."""
+
+  def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
+               param_dtype, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
+    self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+    self.dtype = dtype
+
+  def __call__(self, x_xI: jax.Array) -> jax.Array:
+    y = project(x_xI, self.weight[...], self.dtype)
+    return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+class Embed(nnx.Module):
+  """Token embedding ``[V, D]`` in ``param_dtype``; looked-up rows come out in ``dtype`` (only
+  the rows read are converted, never the table)."""
+
+  def __init__(self, num_embeddings: int, features: int, *, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+    self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
+    self.dtype = dtype
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+  def attend(self, x_xD: jax.Array) -> jax.Array:
+    """Logits against the table (tied output projection), float32."""
+    return project(x_xD, self.embedding[...], jnp.float32)
