@@ -36,7 +36,8 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: fetch
-	$(PY) -m redrafter_jax.bench suite --prompts ../shared/data/spec_bench.jsonl
+	$(PY) -m redrafter_jax.bench suite --prompts ../shared/data/spec_bench.jsonl --drafter shipped \
+	    --param-dtype bfloat16
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

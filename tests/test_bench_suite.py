@@ -268,3 +268,18 @@ def test_quick_suite_on_smollm2(spec_bench_path, tmp_path):
     assert len(runs) == 8
     for key in ("redrafter_W1_L4_lookup3", "redrafter_W4_L5"):
       assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"]
+
+
+def test_step_split_leaves_a_bf16_model_as_it_was(tiny):
+  """The draft is timed with the embedding table converted (as the decode loop has it); the
+  model itself keeps its bf16 table, and the parts come out as positive times."""
+  import jax.numpy as jnp
+
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  llm, cfg = load_llama(tiny[0], param_dtype=jnp.bfloat16)
+  drafter = bench_decode.load_drafter_arg("random", cfg, 32)
+  split = bench_decode.step_split(llm, drafter, [5, 6, 7, 8], bench_decode.Beams(2, 3).config(
+      max_new_tokens=8), repeat=2)
+  assert llm.embed_tokens.embedding[...].dtype == jnp.bfloat16
+  assert min(split["draft_ms"], split["verify_ms"], split["accept_commit_ms"]) > 0

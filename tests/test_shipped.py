@@ -5,7 +5,7 @@ import json
 import pytest
 
 from redrafter_jax.config import ConfigError
-from redrafter_jax.shipped import recommended_config, resolve_drafter
+from redrafter_jax.shipped import param_dtype_for, recommended_config, resolve_drafter
 
 RECORDED = {"beam_width": 2, "beam_length": 4, "lookup_ngram": 3, "token_budget": 5,
             "draft_vocab_size": 8192}
@@ -70,3 +70,13 @@ def test_presets_decode_like_the_shipped_drafter(name):
   want = recommended_config(resolve_drafter("shipped"))
   for key in ("beam_width", "beam_length", "lookup_ngram", "token_budget", "draft_vocab_size"):
     assert getattr(got, key) == getattr(want, key), key
+
+
+def test_param_dtype_is_recorded_and_overridable(tmp_path, drafter_dir):
+  """The LLM weight precision the settings were measured with: the recorded one (the shipped
+  drafter's is bfloat16), an explicit one, or float32 without a record."""
+  (drafter_dir / "decode.json").write_text(json.dumps({**RECORDED, "param_dtype": "bfloat16"}))
+  assert param_dtype_for(drafter_dir) == "bfloat16"
+  assert param_dtype_for(drafter_dir, "float32") == "float32"
+  assert param_dtype_for(tmp_path / "nowhere") == "float32"
+  assert param_dtype_for(resolve_drafter("shipped")) == "bfloat16"

@@ -46,13 +46,14 @@ from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
 from redrafter_jax.bench.decode import Beams
 from redrafter_jax.bench.report import FP32_AR
 
-# CPU defaults: a full run stays well under an hour on 2 idle cores (13 prompts x 12 methods;
-# --per-category 2 roughly doubles the measuring). On CPU the verify forward grows with the tree
-# (W=16 L=5, 65 tokens, costs about 4 AR steps), so wide trees do not pay there; the GPU preset
-# sweeps them.
-# 1x4+3/5 is the shipped drafter's own setting (its decode.json).
-FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,1x4+3/5,4x4,8x5,16x5", main_beams="4x5",
-            temperatures="0.7,1.0", split_repeat=10)
+# CPU defaults: a full run takes well under an hour on 2 idle cores (13 prompts x 16 methods;
+# --per-category 2 roughly doubles the measuring). The drafter-only trees are the training
+# issue's (W, L) grid; the context-lookup trees with a token budget are the ones that pay on a
+# CPU, where the verify forward grows with the tree (W=16 L=5, 65 tokens, costs several AR
+# steps); the GPU preset sweeps wide trees. 1x4+3/5 is the shipped drafter's own setting (its
+# decode.json).
+FULL = dict(per_category=1, max_new_tokens=128, beams="1x4,4x4,8x5,16x5,1x4+3/5,2x4+3/7,4x4+3/9",
+            main_beams="4x4+3/9", temperatures="0.7,1.0", split_repeat=10)
 GPU = dict(beams="1x4,4x4,8x4,4x5,8x5,16x5", main_beams="8x5", batch_sizes="1,2,4,8,16")
 # --quick: the two shortest of the first prompts of each category, few tokens, fewer settings.
 QUICK = dict(per_category=1, max_new_tokens=16, beams="1x4+3,4x5", main_beams="4x5",
