@@ -4,9 +4,9 @@ Mesh axes:
   ``data``   batch rows are split over it (data parallelism; spans processes on a cluster)
   ``model``  tensor parallelism for the base LLM (Megatron style)
 
-Base LLM (weights are (out, in), PyTorch's layout): q/k/v and gate/up weights are column-parallel
-(output features split over ``model``), o/down weights row-parallel (input features split), so one attention block
-and one MLP each need a single all-reduce. The embedding table and an untied ``lm_head`` are
+Base LLM (weights are (out, in), PyTorch's layout): q/k/v and gate/up weights are
+column-parallel (output features split over ``model``), o/down weights row-parallel (input
+features split), so one attention block and one MLP each need a single all-reduce. The embedding table and an untied ``lm_head`` are
 split over the vocabulary (vocab-parallel logits; the embedding gather becomes a masked lookup
 plus all-reduce). Norm scales are replicated. A dimension that the axis does not divide stays
 replicated, so any mesh is correct for any model (just less sharded).

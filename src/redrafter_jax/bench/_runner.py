@@ -142,9 +142,15 @@ def environment(o, hf) -> dict:
   return env
 
 
+def adds_fp32_ar(o) -> bool:
+  """Whether the run adds our float32-weight AR as a baseline: its LLM has lower-precision
+  weights under float32 activations."""
+  return o.param_dtype != "float32" and o.dtype == "float32"
+
+
 def load_models(o):
   """``(llm, llm with float32 weights or None, drafter, tokenizer, transformers model or None,
-  note on skipped peers)``; the second LLM only when ``--param-dtype`` is not float32."""
+  note on skipped peers)``; the second LLM only when ``adds_fp32_ar(o)``."""
   import jax.numpy as jnp
 
   from redrafter_jax.bench.decode import load_drafter_arg
@@ -155,7 +161,7 @@ def load_models(o):
   llm, cfg = load_llama(o.model, dtype=dtype, param_dtype=jnp.dtype(o.param_dtype),
                         backend=o.attention)
   llm_fp32 = (load_llama(o.model, dtype=dtype, backend=o.attention)[0]
-              if o.param_dtype != "float32" and o.dtype == "float32" else None)
+              if adds_fp32_ar(o) else None)
   path = resolve_source(o.model)
   drafter = load_drafter_arg(o.drafter, cfg, o.exit_dim, dtype=dtype)
   hf, note = None, ""

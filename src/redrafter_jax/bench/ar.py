@@ -1,8 +1,9 @@
 """``python -m redrafter_jax.bench ar``: our AR decoding against transformers' PyTorch ``generate``.
 
 Same machine, same run, same weights (the model's GGUF, dequantized to float32 on both sides;
-``--param-dtype bfloat16`` rounds ours to bfloat16, activations staying float32), batch 1, greedy, chat-formatted Spec-Bench prompts, and exactly ``--max-new-tokens`` new tokens
-on both sides (transformers with ``min_new_tokens``, ours without stop tokens). The two run
+``--param-dtype bfloat16`` rounds ours to bfloat16, activations staying float32), batch 1,
+greedy, chat-formatted Spec-Bench prompts, and exactly ``--max-new-tokens`` new tokens on both
+sides (transformers with ``min_new_tokens``, ours without stop tokens). The two run
 interleaved prompt by prompt, so changes in machine load hit both alike. tokens/s is new tokens
 over the wall time of the whole call (prefill included); our compile time is excluded by an
 untimed warm-up call per compiled shape, and transformers gets one warm-up generation too.

@@ -41,7 +41,7 @@ import re
 import sys
 import zlib
 
-from redrafter_jax.bench._runner import Runner, environment, load_models
+from redrafter_jax.bench._runner import Runner, adds_fp32_ar, environment, load_models
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
 from redrafter_jax.bench.decode import Beams
 from redrafter_jax.bench.report import FP32_AR
@@ -184,7 +184,7 @@ def build_methods(o) -> list[Method]:
   main = o.main_beams
   sampled = sorted(set(o.temperatures) | ({o.typical_temperature} - {0.0}))
   out = [Method("ar_greedy", "our AR greedy", "ar")]
-  if o.param_dtype != "float32" and o.dtype == "float32":
+  if adds_fp32_ar(o):
     out.append(Method(FP32_AR, "our AR greedy, float32 weights", "ar", param_dtype="float32"))
   if not o.no_transformers:
     out.append(Method("transformers_greedy", "transformers greedy", "transformers"))

@@ -41,10 +41,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-  from redrafter_jax.decode import decode
-  from redrafter_jax.generate import generate
   import jax.numpy as jnp
 
+  from redrafter_jax.decode import decode
+  from redrafter_jax.generate import generate
   from redrafter_jax.shipped import param_dtype_for, recommended_config, resolve_drafter
   from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
   from redrafter_jax.weights import fetch

@@ -1,10 +1,11 @@
 """Reversible name tables between our parameter paths and a checkpoint format's tensor names.
 
 A table is a list of ``Rule(ours, theirs, transpose)`` with ``{i}`` standing for a layer index.
-Ours are dotted NNX paths (``layers.3.self_attn.q_proj.weight`` for the base LLM, whose weights keep
-PyTorch's (out, in) layout; ``lm_head.0.linear.kernel`` for the drafter, whose Flax kernels are
-(in, out)); theirs are the format's names, transposed where ``transpose`` is set. The same table maps both
-ways, so every format's import and export agree by construction and are round-trip tested.
+Ours are dotted NNX paths (``layers.3.self_attn.q_proj.weight`` for the base LLM, whose weights
+keep PyTorch's (out, in) layout; ``lm_head.0.linear.kernel`` for the drafter, whose Flax kernels
+are (in, out)); theirs are the format's names, transposed where ``transpose`` is set. The same
+table maps both ways, so every format's import and export agree by construction and are
+round-trip tested.
 """
 
 from __future__ import annotations
