@@ -55,16 +55,17 @@ def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, ca
   # The two shortest of the first prompts of each category (p1 and p3 are not first).
   assert sorted(data["runs"]) == ["p0", "p4"]
   sampled = {"ar_T0.7", "redrafter_exact_T0.7_W4_L5", "redrafter_typical_T0.7_W4_L5"}
-  keys = {"ar_greedy", "transformers_greedy", "redrafter_W1_L4_lookup3", "redrafter_W4_L5",
-          "prompt_lookup_10"} | sampled
+  keys = {"ar_greedy", "transformers_greedy", "transformers_greedy_bf16",
+          "redrafter_W1_L4_lookup3", "redrafter_W4_L5", "prompt_lookup_10"} | sampled
   for pid, runs in data["runs"].items():
     assert set(runs) == keys
     for key, r in runs.items():
       assert 1 <= r["new_tokens"] <= 10 and r["seconds"] > 0 and r["steps"] >= 1
       assert r["new_tokens"] == len(r["output_ids"])
       assert r["category"] == data["prompts"][pid]["category"]
-    for key in keys - sampled:
-      assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"], key  # greedy is exact
+    # Greedy is exact (transformers in bfloat16 computes another model's greedy answer).
+    for key in keys - sampled - {"transformers_greedy_bf16"}:
+      assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"], key
     assert sum(runs["redrafter_W4_L5"]["accepted_histogram"]) == runs["redrafter_W4_L5"]["steps"]
   assert set(data["step_split"]) == {"redrafter_W1_L4_lookup3", "redrafter_W4_L5"}
   assert set(data["batch"]) == {"1", "3"}
@@ -199,6 +200,31 @@ def test_bad_arguments_are_rejected(capsys):
   assert "WxL" in capsys.readouterr().err
 
 
+def test_transformers_bf16_peer_runs_its_own_bf16_model(tiny, monkeypatch):
+  """On a CPU the suite adds transformers in bfloat16 beside its float32 run, and each method
+  generates with its own model; --no-transformers loads neither."""
+  import torch
+
+  o = suite.parse_args(quick_args(tiny, "unused"))
+  llm, _, drafter, tok, hf, hf_bf16, _ = _runner.load_models(o)
+  assert hf.dtype == torch.float32 and hf_bf16.dtype == torch.bfloat16
+  assert hf_bf16.model.embed_tokens.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
+  methods = {m.key: m for m in suite.build_methods(o)}
+  assert methods["transformers_greedy_bf16"].param_dtype == "bfloat16"
+  runner = _runner.Runner(o, llm, drafter, tok, hf, None, hf_bf16)
+  used = []
+  real = _runner.Runner._transformers
+  monkeypatch.setattr(_runner.Runner, "_transformers",
+                      lambda self, model, *a: used.append(model) or real(self, model, *a))
+  for key in ("transformers_greedy", "transformers_greedy_bf16", "prompt_lookup_10"):
+    tokens, stats = runner.call(methods[key], [[5, 6, 7]], 64, 0)
+    assert 1 <= len(tokens[0]) <= o.max_new_tokens and stats["steps"] >= 1
+  assert used == [hf, hf_bf16, hf]
+  o = suite.parse_args(quick_args(tiny, "unused", "--no-transformers"))
+  assert "transformers_greedy_bf16" not in {m.key for m in suite.build_methods(o)}
+  assert _runner.load_models(o)[4:6] == (None, None)
+
+
 def test_settings_tell_a_retrained_drafter_from_the_old_one_at_the_same_path(tmp_path):
   """A resumed run compares settings; the drafter enters them by content, not only by path."""
   from redrafter_jax.config import DrafterConfig
@@ -265,7 +291,7 @@ def test_quick_suite_on_smollm2(spec_bench_path, tmp_path):
   data = json.loads((folder / "measurements.json").read_text())
   assert len(data["runs"]) == 2
   for runs in data["runs"].values():
-    assert len(runs) == 8
+    assert len(runs) == 9
     for key in ("redrafter_W1_L4_lookup3", "redrafter_W4_L5"):
       assert runs[key]["output_ids"] == runs["ar_greedy"]["output_ids"]
 

@@ -8,6 +8,7 @@ shared by all our methods, which keeps the number of compiled programs small.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import os
@@ -46,23 +47,27 @@ def timed(fn, tries: int = 3):
 class Runner:
   """Runs one method on a batch of token-id prompts and measures it."""
 
-  def __init__(self, o, llm, drafter, tok, hf, llm_fp32=None):
+  def __init__(self, o, llm, drafter, tok, hf, llm_fp32=None, hf_bf16=None):
     from redrafter_jax import decode as dec
     from redrafter_jax.config import DecodeConfig
     from redrafter_jax.tokenizer import stop_token_ids
 
     self.o, self.llm, self.hf = o, llm, hf
     self.llm_fp32 = llm_fp32  # float32 weights, for methods that ask for them
+    self.hf_bf16 = hf_bf16  # transformers in bfloat16, for methods that ask for it
     self.stops = stop_token_ids(tok)
     self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
     # Restrict the draft vocabulary once, not inside every timed call.
     self.drafter = dec.draft_model(drafter, DecodeConfig(draft_vocab_size=o.draft_vocab))
     self.scratch = max(b.length + b.config().num_tree_tokens for b in o.beams + [o.main_beams])
     self.forwards = [0]
-    if hf is not None:  # transformers' forward calls: its tokens/step
-      hf.register_forward_hook(lambda *_: self.forwards.__setitem__(0, self.forwards[0] + 1))
+    for model in (hf, hf_bf16):
+      if model is None:
+        continue
+      # transformers' forward calls: its tokens/step
+      model.register_forward_hook(lambda *_: self.forwards.__setitem__(0, self.forwards[0] + 1))
       for lookup in (0, o.prompt_lookup_tokens):  # warm-up
-        self._transformers([self.stops[0]] * 8, lookup, 4)
+        self._transformers(model, [self.stops[0]] * 8, lookup, 4)
 
   def cache_size(self, prompt_len: int) -> int | None:
     """Static cache slots for a prompt (None: it does not fit the model's context)."""
@@ -108,17 +113,18 @@ class Runner:
     if len(prompts) != 1:
       raise ValueError("transformers peers run at batch 1 only")
     lookup = o.prompt_lookup_tokens if m.kind == "prompt_lookup" else 0
+    hf = self.hf_bf16 if m.param_dtype == "bfloat16" and self.hf_bf16 is not None else self.hf
     self.forwards[0] = 0
-    new = self._transformers(prompts[0], lookup, o.max_new_tokens)
+    new = self._transformers(hf, prompts[0], lookup, o.max_new_tokens)
     return [new], dict(steps=self.forwards[0], tokens_per_step=len(new) / max(self.forwards[0], 1))
 
-  def _transformers(self, ids: list[int], lookup: int, max_new: int) -> list[int]:
+  def _transformers(self, hf, ids: list[int], lookup: int, max_new: int) -> list[int]:
     import torch
 
-    dev = self.hf.device
+    dev = hf.device
     kwargs = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
     with torch.inference_mode():
-      out = self.hf.generate(torch.tensor([ids], device=dev),
+      out = hf.generate(torch.tensor([ids], device=dev),
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
                              do_sample=False, max_new_tokens=max_new, eos_token_id=list(self.stops),
                              pad_token_id=self.pad, **kwargs)
@@ -148,9 +154,22 @@ def adds_fp32_ar(o) -> bool:
   return o.param_dtype != "float32" and o.dtype == "float32"
 
 
+def hf_dtype(o) -> str:
+  """transformers' dtype in this run: the run's own on a GPU, float32 on a CPU (the dtype its
+  GGUF loader gives, and the precision our float32 runs compute in)."""
+  return o.dtype if o.gpu else "float32"
+
+
+def adds_hf_bf16(o) -> bool:
+  """Whether the run adds transformers in bfloat16 (weights and activations) as a second peer
+  baseline: the setting a user tries to make it faster, when the run's own is not bfloat16."""
+  return not o.no_transformers and hf_dtype(o) != "bfloat16"
+
+
 def load_models(o):
   """``(llm, llm with float32 weights or None, drafter, tokenizer, transformers model or None,
-  note on skipped peers)``; the second LLM only when ``adds_fp32_ar(o)``."""
+  transformers in bfloat16 or None, note on skipped peers)``; the second LLM only when
+  ``adds_fp32_ar(o)``, the second transformers model only when ``adds_hf_bf16(o)``."""
   import jax.numpy as jnp
 
   from redrafter_jax.bench.decode import load_drafter_arg
@@ -164,7 +183,7 @@ def load_models(o):
               if adds_fp32_ar(o) else None)
   path = resolve_source(o.model)
   drafter = load_drafter_arg(o.drafter, cfg, o.exit_dim, dtype=dtype)
-  hf, note = None, ""
+  hf, hf_bf16, note = None, None, ""
   if not o.no_transformers:
     import torch
 
@@ -175,4 +194,6 @@ def load_models(o):
       hf = load_hf(path)
       if o.gpu:
         hf = hf.to(device="cuda", dtype=getattr(torch, o.dtype))
-  return llm, llm_fp32, drafter, load_tokenizer(path), hf, note
+      if adds_hf_bf16(o):
+        hf_bf16 = copy.deepcopy(hf).to(dtype=torch.bfloat16)
+  return llm, llm_fp32, drafter, load_tokenizer(path), hf, hf_bf16, note

@@ -21,6 +21,7 @@ import tempfile
 SCHEMA = 1
 GREEDY_AR, HF_GREEDY = "ar_greedy", "transformers_greedy"
 FP32_AR = "ar_greedy_fp32"  # our AR with float32 weights, in runs whose LLM has bf16 weights
+HF_BF16 = "transformers_greedy_bf16"  # transformers in bfloat16, in runs where it is float32
 
 
 class ResultsError(RuntimeError):
@@ -223,7 +224,7 @@ def header(data: dict) -> list[str]:
            f"Model {s['model']} ({s['dtype']} activations, {s.get('param_dtype') or s['dtype']} "
            f"weights, attention {s['attention']}; transformers "
            f"{s['dtype'] if str(env.get('transformers_device')).startswith('cuda') else 'float32'}"
-           f"); drafter "
+           f"{', and bfloat16 in its own row' if HF_BF16 in data['methods'] else ''}); drafter "
            f"{s['drafter']}; up to {s['max_new_tokens']} new tokens per prompt (stop tokens end "
            f"a response); {len(data['prompts'])} Spec-Bench prompts, batch 1 unless stated.",
            f"Command: `python -m redrafter_jax.bench suite {' '.join(env.get('argv', []))}`.",
@@ -257,7 +258,9 @@ ReDrafter's (accepted drafted tokens + 1) per verification step; transformers': 
 forward call; AR: 1. "same tokens": prompts whose greedy output equals our AR greedy output
 token for token (float32 ties may flip a few). "our AR greedy, float32 weights" (runs with bfloat16
 weights) is the same model with its weights unrounded: its tokens may differ from the
-bfloat16-weight AR's, ReDrafter's must not. Typical acceptance is lossy by design: its output
+bfloat16-weight AR's, ReDrafter's must not. "transformers greedy, bfloat16" computes in bfloat16
+throughout (weights and activations), so its tokens drift from the float32 model's; "vs
+transformers" is against its float32 run. Typical acceptance is lossy by design: its output
 distribution differs from the model's."""
 
 

@@ -10,7 +10,8 @@ prompt before the next prompt starts, so drift in machine load hits all methods 
                  beam); exact sampling at each temperature and typical acceptance (lossy) at
                  ``--typical-temperature``, at ``--main-beams``
   transformers   PyTorch greedy ``generate`` on the same GGUF, and its prompt-lookup assisted
-                 generation (the peers a user would try first on this model)
+                 generation (the peers a user would try first on this model); on a CPU, where it
+                 runs in float32, also greedy in bfloat16 (what a user tries to make it faster)
 
 Prompts: the first ``--per-category`` prompts of each category in file order (a fixed subset),
 chat-templated. Every method stops at the model's stop tokens or after ``--max-new-tokens``;
@@ -41,10 +42,11 @@ import re
 import sys
 import zlib
 
-from redrafter_jax.bench._runner import Runner, adds_fp32_ar, environment, load_models
+from redrafter_jax.bench._runner import (Runner, adds_fp32_ar, adds_hf_bf16, environment,
+                                         load_models)
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
 from redrafter_jax.bench.decode import Beams
-from redrafter_jax.bench.report import FP32_AR
+from redrafter_jax.bench.report import FP32_AR, HF_BF16
 
 # CPU defaults: a full run takes well under an hour on 2 idle cores (13 prompts x 16 methods;
 # --per-category 2 roughly doubles the measuring). The drafter-only trees are the training
@@ -188,6 +190,9 @@ def build_methods(o) -> list[Method]:
     out.append(Method(FP32_AR, "our AR greedy, float32 weights", "ar", param_dtype="float32"))
   if not o.no_transformers:
     out.append(Method("transformers_greedy", "transformers greedy", "transformers"))
+  if adds_hf_bf16(o):
+    out.append(Method(HF_BF16, "transformers greedy, bfloat16", "transformers",
+                      param_dtype="bfloat16"))
   out += [Method.redrafter(b) for b in o.beams]
   if not o.no_transformers:
     n = o.prompt_lookup_tokens
@@ -273,8 +278,8 @@ def run(o) -> pathlib.Path:
   rows = select_prompts(o.prompts, o.per_category)
   folder = run_folder(o.out, machine_slug(o.gpu), o.quick)
   store = Store(folder / "measurements.json", settings_of(o))
-  llm, llm_fp32, drafter, tok, hf, note = load_models(o)
-  runner = Runner(o, llm, drafter, tok, hf, llm_fp32)
+  llm, llm_fp32, drafter, tok, hf, hf_bf16, note = load_models(o)
+  runner = Runner(o, llm, drafter, tok, hf, llm_fp32, hf_bf16)
   store.data["sessions"].append(dict(environment(o, hf), note=note))
   prompts = {}
   for row in rows:
