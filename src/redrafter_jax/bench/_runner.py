@@ -95,7 +95,7 @@ class Runner:
 
     o = self.o
     if m.kind == "ar":
-      llm = self.llm_fp32 if m.param_dtype == "float32" and self.llm_fp32 else self.llm
+      llm = self.llm_fp32 if m.param_dtype == "float32" else self.llm
       r = generate(llm, prompts, max_new_tokens=o.max_new_tokens, temperature=m.temperature,
                    seed=seed, stop_ids=self.stops, cache_size=cache_size)
       return r.tokens, dict(steps=r.steps, tokens_per_step=1.0)
@@ -113,7 +113,7 @@ class Runner:
     if len(prompts) != 1:
       raise ValueError("transformers peers run at batch 1 only")
     lookup = o.prompt_lookup_tokens if m.kind == "prompt_lookup" else 0
-    hf = self.hf_bf16 if m.param_dtype == "bfloat16" and self.hf_bf16 is not None else self.hf
+    hf = self.hf_bf16 if m.param_dtype == "bfloat16" else self.hf
     self.forwards[0] = 0
     new = self._transformers(hf, prompts[0], lookup, o.max_new_tokens)
     return [new], dict(steps=self.forwards[0], tokens_per_step=len(new) / max(self.forwards[0], 1))
@@ -125,9 +125,9 @@ class Runner:
     kwargs = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
     with torch.inference_mode():
       out = hf.generate(torch.tensor([ids], device=dev),
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
-                             do_sample=False, max_new_tokens=max_new, eos_token_id=list(self.stops),
-                             pad_token_id=self.pad, **kwargs)
+                        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
+                        do_sample=False, max_new_tokens=max_new, eos_token_id=list(self.stops),
+                        pad_token_id=self.pad, **kwargs)
     return out[0, len(ids):].tolist()
 
 
