@@ -6,9 +6,9 @@ Mesh axes:
 
 Base LLM (weights are (out, in), PyTorch's layout): q/k/v and gate/up weights are
 column-parallel (output features split over ``model``), o/down weights row-parallel (input
-features split), so one attention block and one MLP each need a single all-reduce. The embedding table and an untied ``lm_head`` are
-split over the vocabulary (vocab-parallel logits; the embedding gather becomes a masked lookup
-plus all-reduce). Norm scales are replicated. A dimension that the axis does not divide stays
+features split), so one attention block and one MLP each need a single all-reduce. The embedding
+table and an untied ``lm_head`` are split over the vocabulary (vocab-parallel logits; the
+embedding gather becomes a masked lookup plus all-reduce). Norm scales are replicated. A dimension that the axis does not divide stays
 replicated, so any mesh is correct for any model (just less sharded).
 
 The drafter is small and runs once per position on every data shard: it is replicated, and so

@@ -36,7 +36,7 @@ def run(args) -> int:
 
   try:
     llm, cfg = distill.load_teacher(args.model, dtype=args.dtype,
-                                      param_dtype=args.param_dtype)
+                                    param_dtype=args.param_dtype)
     tok = distill.load_teacher_tokenizer(args.model)
     stats = distill.distill(
         llm, tok, args.prompts, args.out, model_name=args.model, limit=args.limit,

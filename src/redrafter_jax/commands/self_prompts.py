@@ -29,7 +29,7 @@ def run(args) -> int:
 
   try:
     llm, _ = distill.load_teacher(args.model, dtype=args.dtype,
-                                      param_dtype=args.param_dtype)
+                                  param_dtype=args.param_dtype)
     tok = distill.load_teacher_tokenizer(args.model)
     stats = self_prompts.write_self_prompts(
         llm, tok, args.out, num=args.num, source=f"self-prompts ({args.model})",
