@@ -24,8 +24,8 @@ def _folder(tmp_path, records, shards=3, name="data", settings=None):
   folder.mkdir()
   names = {}
   for k in range(shards):
-    name = f"shard-{k:05d}.array_record"
-    data.write_shard(folder / name, [data.encode_record(t, m, id=i, sampled=k % 2 == 1)
+    name = f"shard-{k:05d}.npz"
+    data.write_shard(folder / name, [data.make_record(t, m, id=i, sampled=k % 2 == 1)
                                      for i, t, m in records[k::shards]])
     names[name] = {}
   (folder / data.MANIFEST).write_text(json.dumps({"settings": settings or {}, "shards": names}))
@@ -55,6 +55,38 @@ def test_record_roundtrip(tmp_path):
     assert back[i]["tokens"].dtype == np.int32
 
 
+def test_shard_roundtrip_is_exact_and_compact(tmp_path):
+  rng = np.random.default_rng(1)
+  records = [data.make_record(rng.integers(0, 49152, n), rng.integers(0, 2, n), id=f"é{n}",
+                              sampled=n % 2 == 0) for n in (1, 7, 8, 9, 300)]
+  data.write_shard(tmp_path / "s.npz", records)
+  back = data.read_shard(tmp_path / "s.npz")
+  assert [(r["id"], r["sampled"]) for r in back] == [(r["id"], r["sampled"]) for r in records]
+  for a, b in zip(records, back):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_array_equal(a["mask"], b["mask"])  # any mask, not only prompt-then-answer
+    assert b["tokens"].dtype == np.int32 and b["mask"].dtype == np.uint8
+  # Token ids as uint16 and the mask as bits: below the 5 bytes per token of int32 + uint8.
+  total = sum(r["tokens"].size for r in records)
+  assert (tmp_path / "s.npz").stat().st_size < 3 * total + 2048
+  # Ids beyond uint16 (vocabularies over 65,536) are kept whole.
+  wide = [data.make_record([70000, 5], [0, 1], id="w")]
+  data.write_shard(tmp_path / "w.npz", wide)
+  assert data.read_shard(tmp_path / "w.npz")[0]["tokens"].tolist() == [70000, 5]
+
+
+def test_bad_records_and_shards_are_refused(tmp_path):
+  with pytest.raises(DataError, match="must be equal 1-D"):
+    data.make_record([1, 2, 3], [0, 1], id="x")
+  with pytest.raises(DataError, match="negative token id"):
+    data.make_record([1, -2], [0, 1], id="x")
+  with pytest.raises(DataError, match="at least one record"):
+    data.write_shard(tmp_path / "e.npz", [])
+  (tmp_path / "junk.npz").write_bytes(b"not a shard")
+  with pytest.raises(DataError, match="junk.npz: not a readable data shard"):
+    data.read_shard(tmp_path / "junk.npz")
+
+
 def test_padded_epoch_holds_every_record_once(tmp_path):
   records = _records(24)
   folder = _folder(tmp_path, records)
@@ -72,7 +104,7 @@ def test_several_folders_read_as_one_data_set(tmp_path):
   # Held-out shards: the last of EACH folder, never among the training shards.
   train = data.shard_paths([fa, fb], holdout=1)
   held = data.shard_paths([fa, fb], holdout=1, part="eval")
-  assert held == [fa / "shard-00002.array_record", fb / "shard-00002.array_record"]
+  assert held == [fa / "shard-00002.npz", fb / "shard-00002.npz"]
   assert len(train) == 4 and not set(train) & set(held)
 
 
@@ -159,7 +191,7 @@ def test_errors_name_the_problem(tmp_path):
   with pytest.raises(DataError, match="no manifest.json"):
     data.make_iterator(tmp_path / "empty", seq_len=8, global_batch=1, seed=0)
   folder = _folder(tmp_path, _records(6))
-  (folder / "shard-00001.array_record").unlink()
+  (folder / "shard-00001.npz").unlink()
   with pytest.raises(DataError, match="missing.*shard-00001"):
     data.make_iterator(folder, seq_len=8, global_batch=1, seed=0)
 

@@ -69,11 +69,11 @@ def test_rerun_resumes_and_skips_completed_shards(teacher, prompts_file, tmp_pat
   first = distill.distill(llm, tok, prompts_file, tmp_path / "d", max_shards=1, **KW)
   assert first.shards_written == 1
   manifest = json.loads((tmp_path / "d" / data.MANIFEST).read_text())
-  assert list(manifest["shards"]) == ["shard-00000.array_record"]
-  shard0 = tmp_path / "d" / "shard-00000.array_record"
+  assert list(manifest["shards"]) == ["shard-00000.npz"]
+  shard0 = tmp_path / "d" / "shard-00000.npz"
   before = (shard0.read_bytes(), os.stat(shard0).st_mtime_ns)
   # A crash mid-shard leaves only a temporary file, which is neither listed nor read.
-  (tmp_path / "d" / ".shard-00001.array_record.tmp").write_bytes(b"partial")
+  (tmp_path / "d" / ".shard-00001.npz.tmp").write_bytes(b"partial")
   second = distill.distill(llm, tok, prompts_file, tmp_path / "d", **KW)
   assert second.shards_skipped == 1 and second.shards_written >= 1
   assert (shard0.read_bytes(), os.stat(shard0).st_mtime_ns) == before  # not rewritten
@@ -161,5 +161,49 @@ def test_first_shards_are_a_uniform_sample_sorted_within_shards():
       {(j.prompt, j.sampled) for j in jobs})  # no job twice
   assert sum(not j.sampled for j in jobs) == 1000
   first = [lengths[j.prompt] for j in jobs[:100]]
-  assert first == sorted(first)  # batches inside a shard pad little
+  for kind in (False, True):  # batches inside a shard pad little
+    of_kind = [lengths[j.prompt] for j in jobs[:100] if j.sampled == kind]
+    assert of_kind == sorted(of_kind)
   assert 300 < np.mean(first) < 700 and max(first) > 900 and min(first) < 100
+
+
+def test_a_job_killed_mid_shard_resumes_to_what_one_run_writes(teacher, prompts_file, tmp_path,
+                                                               monkeypatch):
+  """Kill generation inside the second shard (after one of its batches): the first shard is
+  kept, nothing of the second is, and a rerun completes the folder exactly."""
+  llm, tok = teacher
+  import sys
+
+  gen_module = sys.modules["redrafter_jax.generate"]  # the package's `generate` is the function
+  real, calls = gen_module.generate, []
+
+  def dies_in_shard_two(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2 + 1:  # shard 0 is 1 batch of 4 (shard_size 4), then shard 1's 2nd batch
+      raise KeyboardInterrupt
+    return real(*args, **kwargs)
+
+  kw = dict(KW, batch_size=2)
+  monkeypatch.setattr(gen_module, "generate", dies_in_shard_two)
+  with pytest.raises(KeyboardInterrupt):
+    distill.distill(llm, tok, prompts_file, tmp_path / "d", **kw)
+  manifest = json.loads((tmp_path / "d" / data.MANIFEST).read_text())
+  assert list(manifest["shards"]) == ["shard-00000.npz"]
+  assert sorted(p.name for p in (tmp_path / "d").glob("shard-*")) == ["shard-00000.npz"]
+  entry = manifest["shards"]["shard-00000.npz"]
+  assert entry["cpu_seconds"] > 0 and entry["seconds"] > 0 and "cpus" in entry["machine"]
+  monkeypatch.setattr(gen_module, "generate", real)
+  distill.distill(llm, tok, prompts_file, tmp_path / "d", **kw)
+  distill.distill(llm, tok, prompts_file, tmp_path / "once", **kw)
+  key = lambda r: (r["id"], r["sampled"], tuple(r["tokens"]), tuple(r["mask"]))
+  assert list(map(key, data.read_records(tmp_path / "d"))) == list(
+      map(key, data.read_records(tmp_path / "once")))
+
+
+def test_greedy_jobs_come_before_sampled_ones_in_each_shard():
+  """So that batches are mostly all-greedy (no per-step random draw over the vocabulary)."""
+  jobs = distill.plan_jobs([5, 3, 9, 1, 7, 2, 8, 4], sampled_fraction=0.5, seed=0, shard_size=6)
+  assert any(j.sampled for j in jobs)
+  for k in range(0, len(jobs), 6):
+    kinds = [j.sampled for j in jobs[k:k + 6]]
+    assert kinds == sorted(kinds)

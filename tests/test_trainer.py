@@ -25,13 +25,13 @@ def write_synthetic(folder: pathlib.Path, num: int = 160, seed: int = 0) -> path
     n_prompt, n_resp = int(rng.integers(4, 16)), int(rng.integers(8, 60))
     resp = np.repeat(rng.integers(100, 132, n_resp), rng.integers(4, 12, n_resp))[:n_resp]
     tokens = np.concatenate([rng.integers(0, VOCAB, n_prompt), resp])
-    recs.append(data.encode_record(tokens, [0] * n_prompt + [1] * n_resp, id=f"s{i}"))
+    recs.append(data.make_record(tokens, [0] * n_prompt + [1] * n_resp, id=f"s{i}"))
   folder.mkdir(parents=True)
   half = num // 2
-  data.write_shard(folder / "shard-00000.array_record", recs[:half])
-  data.write_shard(folder / "shard-00001.array_record", recs[half:])
+  data.write_shard(folder / "shard-00000.npz", recs[:half])
+  data.write_shard(folder / "shard-00001.npz", recs[half:])
   manifest = {"settings": {"vocab_size": VOCAB},
-              "shards": {"shard-00000.array_record": {}, "shard-00001.array_record": {}}}
+              "shards": {"shard-00000.npz": {}, "shard-00001.npz": {}}}
   (folder / data.MANIFEST).write_text(json.dumps(manifest))
   return folder
 

@@ -1,9 +1,17 @@
-"""Distillation data: the on-disk record format and the grain input pipeline for training.
+"""Distillation data: the on-disk shard format and the grain input pipeline for training.
 
 On disk (written by ``redrafter-jax distill-data``, see ``distill.py``) a data folder holds
-``manifest.json`` and ArrayRecord shards ``shard-NNNNN.array_record``. One record is a msgpack
-map ``{"id": str, "sampled": bool, "tokens": int32 bytes, "mask": uint8 bytes}``: a prompt and
-the frozen LLM's response, with ``mask`` 1 on response tokens (the only training targets).
+``manifest.json`` and shards ``shard-NNNNN.npz``. A shard is a compressed NumPy archive of its
+records, stored compactly so teacher data can be committed and built on in a later session:
+
+  ``tokens``   uint16 (int32 for vocabularies over 65,536) [total]  every record's ids, one after
+               the other (a prompt, then the frozen LLM's response)
+  ``offsets``  int64 [n + 1]                     record i is ``tokens[offsets[i]:offsets[i + 1]]``
+  ``mask``     uint8 [ceil(total / 8)]           ``np.packbits`` of the per-token mask: 1 on
+               response tokens (the only training targets)
+  ``ids``      str [n], ``sampled`` bool [n]     the prompt's id; answered by sampling (else greedy)
+
+A record in memory is ``{"id": str, "sampled": bool, "tokens": int32 [n], "mask": uint8 [n]}``.
 
 In training the pipeline turns records into fixed-shape batches of local rows:
 
@@ -28,11 +36,10 @@ import pathlib
 from typing import Any, Iterator, Mapping, Sequence
 
 import grain
-import msgpack
 import numpy as np
 
 MANIFEST = "manifest.json"
-SHARD_SUFFIX = ".array_record"
+SHARD_SUFFIX = ".npz"
 FIELDS = ("tokens", "loss_mask", "segment_ids", "positions")
 
 
@@ -40,35 +47,61 @@ class DataError(ValueError):
   """A data folder, prompts file or record is missing or malformed."""
 
 
-def encode_record(tokens: Sequence[int], mask: Sequence[int], *, id: str = "",
-                  sampled: bool = False) -> bytes:
+def make_record(tokens: Sequence[int], mask: Sequence[int], *, id: str = "",
+                sampled: bool = False) -> dict[str, Any]:
+  """A record (see the module docstring), checked: 1-D tokens and mask of one length."""
   tokens = np.asarray(tokens, np.int32)
   mask = np.asarray(mask, np.uint8)
   if tokens.ndim != 1 or tokens.shape != mask.shape:
     raise DataError(f"record {id!r}: tokens {tokens.shape} and mask {mask.shape} must be equal 1-D")
-  return msgpack.packb({"id": str(id), "sampled": bool(sampled),
-                        "tokens": tokens.astype("<i4").tobytes(), "mask": mask.tobytes()})
+  if tokens.size and int(tokens.min()) < 0:
+    raise DataError(f"record {id!r}: negative token id {int(tokens.min())}")
+  return {"id": str(id), "sampled": bool(sampled), "tokens": tokens, "mask": mask}
 
 
-def decode_record(raw: bytes) -> dict[str, Any]:
-  """``{"id", "sampled", "tokens": int32 [n], "mask": uint8 [n]}`` from one stored record."""
-  rec = msgpack.unpackb(raw)
-  return {"id": rec["id"], "sampled": rec["sampled"],
-          "tokens": np.frombuffer(rec["tokens"], "<i4").astype(np.int32),
-          "mask": np.frombuffer(rec["mask"], np.uint8)}
+def write_shard(path: pathlib.Path, records: Sequence[Mapping[str, Any]]) -> None:
+  """Write records (``make_record``) as one compressed shard at ``path`` (a file object's name
+  is kept as given; the caller renames it into place)."""
+  if not records:
+    raise DataError(f"{path}: a shard needs at least one record")
+  tokens = np.concatenate([np.asarray(r["tokens"], np.int32) for r in records])
+  mask = np.concatenate([np.asarray(r["mask"], np.uint8) for r in records])
+  if tokens.shape != mask.shape:
+    raise DataError(f"{path}: tokens and masks differ in length")
+  wide = tokens.size and int(tokens.max()) > np.iinfo(np.uint16).max
+  offsets = np.cumsum([0] + [len(r["tokens"]) for r in records], dtype=np.int64)
+  with open(path, "wb") as f:
+    np.savez_compressed(
+        f, tokens=tokens if wide else tokens.astype(np.uint16), offsets=offsets,
+        mask=np.packbits(mask > 0), ids=np.array([str(r["id"]) for r in records]),
+        sampled=np.array([bool(r["sampled"]) for r in records]))
 
 
-def write_shard(path: pathlib.Path, records: Sequence[bytes]) -> None:
-  """Write encoded records as one ArrayRecord file at ``path`` (the caller renames it in)."""
-  from array_record.python.array_record_module import ArrayRecordWriter
-
-  # group_size 1: every record is its own chunk, so random access reads one record.
-  writer = ArrayRecordWriter(str(path), "group_size:1")
+def read_shard(path: str | pathlib.Path) -> list[dict[str, Any]]:
+  """The records of one shard, in order."""
   try:
-    for rec in records:
-      writer.write(rec)
-  finally:
-    writer.close()
+    with np.load(path, allow_pickle=False) as z:
+      tokens, offsets, ids, sampled = z["tokens"], z["offsets"], z["ids"], z["sampled"]
+      mask = np.unpackbits(z["mask"], count=tokens.size)
+  except (OSError, ValueError, KeyError) as e:
+    raise DataError(f"{path}: not a readable data shard ({e})") from e
+  return [{"id": str(ids[i]), "sampled": bool(sampled[i]),
+           "tokens": tokens[offsets[i]:offsets[i + 1]].astype(np.int32),
+           "mask": mask[offsets[i]:offsets[i + 1]]} for i in range(len(ids))]
+
+
+class ShardSource:
+  """Random access to the records of several shards (grain's ``RandomAccessDataSource``
+  protocol). Shards are small and compressed: all are read into memory at once."""
+
+  def __init__(self, paths: Sequence[str | pathlib.Path]):
+    self._records = [rec for p in paths for rec in read_shard(p)]
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    return self._records[index]
 
 
 def read_manifest(folder: str | pathlib.Path) -> dict[str, Any]:
@@ -138,10 +171,7 @@ def _folder_shards(folder: pathlib.Path, holdout: int, part: str) -> list[pathli
 def read_records(folder, **split) -> list[dict[str, Any]]:
   """Every record of a data folder or folders (or of its ``split``, see ``shard_paths``),
   decoded, in shard order (for tests and inspection)."""
-  from grain.sources import ArrayRecordDataSource
-
-  source = ArrayRecordDataSource([str(p) for p in shard_paths(folder, **split)])
-  return [decode_record(source[i]) for i in range(len(source))]
+  return [rec for p in shard_paths(folder, **split) for rec in read_shard(p)]
 
 
 def token_counts(folder, vocab_size: int, **split) -> np.ndarray:
@@ -209,15 +239,12 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
   start, stop = rows if rows is not None else (0, global_batch)
   if not 0 <= start < stop <= global_batch:
     raise DataError(f"rows {rows} are not a slice of the global batch of {global_batch}")
-  from grain.sources import ArrayRecordDataSource
-
-  paths = shard_paths(folder, holdout=holdout, part=part)
-  source = ArrayRecordDataSource([str(p) for p in paths])
+  source = ShardSource(shard_paths(folder, holdout=holdout, part=part))
   if len(source) == 0:
     raise DataError(f"{', '.join(map(str, folders(folder)))}: the shards hold no records")
   # repeat() after shuffle() reseeds the shuffle every epoch (grain's documented behaviour).
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
-  ds = ds.map(decode_record).map(lambda rec: _truncate(rec, seq_len, vocab_size))
+  ds = ds.map(lambda rec: _truncate(rec, seq_len, vocab_size))
   if pack:
     bins = packing_bins or max(global_batch, 8)
     it_ds = grain.experimental.FirstFitPackIterDataset(

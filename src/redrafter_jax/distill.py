@@ -3,12 +3,13 @@
 Every prompt is answered once greedily; a seeded fraction is also answered by sampling at T=1,
 so the drafter sees the LLM's own continuations under both decoders. Jobs are shuffled and cut
 into shards of ``shard_size`` (any first k shards are a uniform sample of the prompts: a job
-stopped early is still representative), sorted by prompt length within each shard, and each
-shard is generated in fixed-size batches
-(``generate()``; the last batch is padded by repeating a job, so shapes and compiles stay few)
-and written as one ArrayRecord file under a temporary name, then renamed, then recorded in
-``manifest.json``. A rerun with the same settings skips the shards the manifest lists, so a
-killed job resumes where it stopped; other settings are refused rather than mixed in.
+stopped early is still representative), ordered within each shard (``plan_jobs``), and each
+shard is generated in fixed-size batches (``generate()``; the last batch is padded by repeating
+a job, so shapes and compiles stay few) and written as one compressed shard
+(``data.write_shard``) under a temporary name, then renamed, then recorded in ``manifest.json``
+with its wall and CPU seconds and the machine that made it. A rerun with the same settings
+skips the shards the manifest lists, so a killed job resumes where it stopped (losing at most
+the shard in progress); other settings are refused rather than mixed in.
 
 Base models: a known name (``smollm2-135m``), a GGUF/HF path, or ``random:<spec>`` — a randomly
 initialised Llama for tests, where ``<spec>`` is ``tiny`` or a JSON object of ``LlamaConfig``
@@ -175,7 +176,7 @@ def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[Pro
 
 
 # Recorded in the manifest: folders written with another job order cannot be resumed.
-JOB_ORDER = "shuffled, length-sorted within shards"
+JOB_ORDER = "shuffled; within shards greedy jobs first, each kind length-sorted"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,9 @@ def plan_jobs(lengths: Sequence[int], sampled_fraction: float, seed: int,
 
   The jobs are shuffled before they are cut into shards, so that the first k shards are a
   uniform sample of the prompts (a run stopped early still covers every source and length);
-  within a shard they are sorted by prompt length, so batches pad little.
+  within a shard the greedy jobs come first, then the sampled ones, each sorted by prompt
+  length: batches pad little, and most batches are all-greedy, which skips the per-step
+  random draw over the vocabulary.
   """
   if not 0.0 <= sampled_fraction <= 1.0:
     raise ConfigError(f"sampled_fraction must be in [0, 1], got {sampled_fraction}")
@@ -199,7 +202,7 @@ def plan_jobs(lengths: Sequence[int], sampled_fraction: float, seed: int,
   jobs = [Job(i, False) for i in range(len(lengths))]
   jobs += [Job(i, True) for i in range(len(lengths)) if draw[i] < sampled_fraction]
   jobs = [jobs[i] for i in rng.permutation(len(jobs))]
-  by_length = lambda j: (lengths[j.prompt], j.prompt, j.sampled)
+  by_length = lambda j: (j.sampled, lengths[j.prompt], j.prompt)
   return [job for k in range(0, len(jobs), shard_size)
           for job in sorted(jobs[k:k + shard_size], key=by_length)]
 
@@ -233,6 +236,22 @@ def _open_manifest(out: pathlib.Path, settings: dict[str, Any]) -> dict[str, Any
     raise DataError(f"{out} was started with other settings ({detail}); resume with the same "
                     "settings or choose a new --out folder")
   return manifest
+
+
+def machine() -> str:
+  """What generated a shard: the JAX backend's device kind and the host's CPU model."""
+  import platform
+
+  import jax
+
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                 cpu)
+  except OSError:
+    pass
+  return f"{jax.devices()[0].device_kind}; {cpu}, {os.cpu_count()} cpus"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +323,7 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
              disable=not progress)
   for k in todo:
     shard_jobs, encoded, shard_tokens = shards[k], [], 0
+    shard_start, shard_cpu = time.perf_counter(), time.process_time()
     for b in range(0, len(shard_jobs), batch_size):
       batch = shard_jobs[b:b + batch_size]
       padded = batch + [batch[-1]] * (batch_size - len(batch))  # static batch shape
@@ -312,7 +332,7 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
                         seed=seed * 1_000_003 + k * 1009 + b, stop_ids=stops)
       for job, response in zip(batch, result.tokens):
         prompt = tokens[job.prompt]
-        encoded.append(data_lib.encode_record(
+        encoded.append(data_lib.make_record(
             prompt + response, [0] * len(prompt) + [1] * len(response),
             id=prompts[job.prompt].id, sampled=job.sampled))
         shard_tokens += len(response)
@@ -323,7 +343,10 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
     tmp = out / f".{name}.tmp"
     data_lib.write_shard(tmp, encoded)
     os.replace(tmp, out / name)
-    manifest["shards"][name] = {"records": len(encoded), "response_tokens": shard_tokens}
+    manifest["shards"][name] = {
+        "records": len(encoded), "response_tokens": shard_tokens,
+        "seconds": round(time.perf_counter() - shard_start, 1),
+        "cpu_seconds": round(time.process_time() - shard_cpu, 1), "machine": machine()}
     _write_json(out / data_lib.MANIFEST, manifest)
     records += len(encoded)
   bar.close()

@@ -2,7 +2,7 @@
 
 from redrafter_jax.cli import UserError
 
-HELP = "self-distillation data: the frozen LLM answers training prompts (sharded ArrayRecords)"
+HELP = "self-distillation data: the frozen LLM answers training prompts (compressed shards)"
 
 
 def add_arguments(p):
