@@ -84,3 +84,21 @@ def test_errors(tmp_path, monkeypatch):
     _write(tmp_path / "t.jsonl", 4, monkeypatch, temperature=0.0)
   assert cli.main(["self-prompts", "--model", "random:tiny", "--out", str(tmp_path / "c.jsonl"),
                    "--num", "0"]) == 2
+
+
+def test_seeds_open_the_user_turn_and_give_the_category(tmp_path, monkeypatch):
+  from redrafter_jax.prompt_mix import MixRow
+
+  seeds = [MixRow(id="s0", category="writing", source="seed", prompt="Write a poem about"),
+           MixRow(id="s1", category="stem", source="seed", prompt="Explain how")]
+  path = tmp_path / "p.jsonl"
+  stats, calls = _write(path, 4, monkeypatch, seed=0, seeds=seeds)
+  seed_ids = [TOK._bytes(s.prompt) for s in seeds]
+  assert calls[0]["prompts"] == [PREFIX + seed_ids[i % 2] for i in range(8)]
+  rows = _rows(path)
+  # Opening + continuation; the length rule counts the whole request (row 1's "hi" now counts).
+  assert [r["prompt"] for r in rows[:2]] == ["Explain howhi", "Write a poem aboutthe same request"]
+  for r in rows:
+    i = int(r["id"].split("-")[-1])
+    assert r["seed"] == seeds[i % 2].prompt and r["category"] == seeds[i % 2].category
+    assert r["prompt"].startswith(r["seed"])

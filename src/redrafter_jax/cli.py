@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": "redrafter_jax.commands.demo",
     "export": "redrafter_jax.commands.export",
     "import": "redrafter_jax.commands.import_drafter",
+    "prompt-mix": "redrafter_jax.commands.prompt_mix",
     "self-prompts": "redrafter_jax.commands.self_prompts",
     "distill-data": "redrafter_jax.commands.distill_data",
     "train": "redrafter_jax.commands.train",

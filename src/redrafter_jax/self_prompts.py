@@ -13,6 +13,12 @@ The output is a JSON-lines prompts file like ``train_prompts.jsonl``. It is writ
 a time and resumed from its last complete batch; batch ``b`` always draws with the same seed, so
 a resumed file equals an uninterrupted one. A request counts only if the LLM closed the turn
 (a stop token) and it is not blank or a repeat.
+
+Unsteered, a small model asks mostly the same few kinds of things. With ``seeds`` (rows of
+``prompt_mix.self_prompt_seeds``: a task opening and a topic, e.g. "Write a persuasive essay
+on renewable energy") the user turn starts with a seed and the LLM writes the rest of the
+request; draw ``i`` of batch ``b`` uses seed ``(b * batch_size + i) % len(seeds)``, and the row
+keeps the seed's category.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import dataclasses
 import json
 import pathlib
 import time
+from typing import Sequence
 
 from tqdm.auto import tqdm
 
@@ -68,7 +75,9 @@ def _read_existing(path: pathlib.Path) -> tuple[list[dict], int]:
   rows, next_batch = [], 0
   if not path.exists():
     return rows, next_batch
-  for line in path.read_text(encoding="utf-8").splitlines():
+  for line in path.read_text(encoding="utf-8").split("\n"):
+    if not line:
+      continue
     try:
       row = json.loads(line)
     except json.JSONDecodeError:
@@ -88,11 +97,12 @@ def _read_existing(path: pathlib.Path) -> tuple[list[dict], int]:
 def write_self_prompts(llm: Llama, tokenizer, out_path: str | pathlib.Path, *, num: int,
                        source: str, batch_size: int = 64, max_new_tokens: int = 96,
                        temperature: float = 1.0, seed: int = 0, max_batches: int | None = None,
-                       progress: bool = True) -> SelfPromptStats:
+                       seeds: Sequence = (), progress: bool = True) -> SelfPromptStats:
   """Sample user requests until ``out_path`` holds ``num`` of them (see the module docstring).
 
   ``max_batches`` bounds the draws of this call (a sampler that rarely closes its turn would
-  otherwise never stop); rerun to continue.
+  otherwise never stop); rerun to continue. ``seeds``: rows with ``prompt`` (the opening of the
+  user turn) and ``category``; none: unsteered.
   """
   from redrafter_jax.generate import generate
   from redrafter_jax.tokenizer import stop_token_ids
@@ -110,16 +120,24 @@ def write_self_prompts(llm: Llama, tokenizer, out_path: str | pathlib.Path, *, n
   start, new, drawn = time.perf_counter(), 0, 0
   bar = tqdm(total=num, initial=min(len(rows), num), desc="self-prompts", unit="prompt",
              disable=not progress)
+  seed_ids = [list(tokenizer(s.prompt, add_special_tokens=False)["input_ids"]) for s in seeds]
   while len(rows) < num and (max_batches is None or drawn < max_batches):
-    result = generate(llm, [prefix] * batch_size, max_new_tokens=max_new_tokens,
+    picks = [(batch * batch_size + i) % len(seeds) for i in range(batch_size)] if seeds else []
+    openings = [seeds[k] for k in picks]
+    prompts = [prefix + seed_ids[k] for k in picks] if seeds else [prefix] * batch_size
+    result = generate(llm, prompts, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed * 1_000_003 + batch, stop_ids=stops)
     fresh = []
     for i, (ids, stopped) in enumerate(zip(result.tokens, result.stopped)):
-      text = tokenizer.decode([t for t in ids if t not in stops]).strip()
+      text = tokenizer.decode([t for t in ids if t not in stops])
+      text = (openings[i].prompt + text if seeds else text).strip()
       if not stopped or len(text) < MIN_CHARS or text in seen:
         continue
       seen.add(text)
-      fresh.append(dict(id=f"self-b{batch}-{i}", source=source, category=CATEGORY, prompt=text))
+      row = dict(id=f"self-b{batch}-{i}", source=source, category=CATEGORY, prompt=text)
+      if seeds:
+        row.update(category=openings[i].category, seed=openings[i].prompt)
+      fresh.append(row)
     fresh = fresh[:num - len(rows)]
     with open(out, "a", encoding="utf-8") as f:
       f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fresh))

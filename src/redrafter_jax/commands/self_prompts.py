@@ -21,20 +21,27 @@ def add_arguments(p):
   p.add_argument("--max-batches", type=int, default=None,
                  help="stop after drawing this many batches (rerun to continue)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seeds", default=None,
+                 help="JSON-lines file of request openings (prompt-mix --seeds-out): each user "
+                      "turn starts with one and the LLM completes it")
 
 
 def run(args) -> int:
-  from redrafter_jax import distill, self_prompts
+  import pathlib
+
+  from redrafter_jax import distill, prompt_mix, self_prompts
   from redrafter_jax.data import DataError
 
   try:
+    seeds = prompt_mix.prompts_as_written(pathlib.Path(args.seeds)) if args.seeds else ()
     llm, _ = distill.load_teacher(args.model, dtype=args.dtype,
                                   param_dtype=args.param_dtype)
     tok = distill.load_teacher_tokenizer(args.model)
     stats = self_prompts.write_self_prompts(
         llm, tok, args.out, num=args.num, source=f"self-prompts ({args.model})",
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, seed=args.seed, max_batches=args.max_batches)
+        temperature=args.temperature, seed=args.seed, max_batches=args.max_batches,
+        seeds=seeds)
   except DataError as e:
     raise UserError(str(e)) from e
   print(f"{args.out}: {stats.prompts} requests ({stats.new} new from {stats.batches} batch(es), "
