@@ -148,25 +148,11 @@ class Prompt:
 
 
 def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[Prompt]:
-  """Prompts from a JSON-lines file; a malformed line raises ``DataError`` naming the line."""
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise DataError(f"prompts file not found: {path}")
-  out = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-      if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-        raise DataError(f"{path}:{lineno}: expected an object with a non-empty string 'prompt'")
-      out.append(Prompt(id=str(obj.get("id", f"line-{lineno}")),
-                        category=str(obj.get("category", "")), text=obj["prompt"]))
-      if limit is not None and len(out) >= limit:
-        break
+  """Prompts from a JSON-lines file (``.gz`` too); a malformed line raises ``DataError`` naming
+  the line."""
+  out = [Prompt(id=str(obj.get("id", f"line-{lineno}")), category=str(obj.get("category", "")),
+                text=obj["prompt"])
+         for lineno, obj in data_lib.read_jsonl(path, "prompt", what="prompts file", limit=limit)]
   if not out:
     raise DataError(f"{path}: no prompts")
   return out

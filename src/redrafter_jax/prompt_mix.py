@@ -26,11 +26,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import pathlib
 from typing import Iterable, Sequence
 
-from redrafter_jax.data import DataError
+from redrafter_jax.data import DataError, read_jsonl, write_jsonl
 
 # --------------------------------------------------------------------------- context tasks
 
@@ -141,9 +140,6 @@ class MixRow:
   source: str
   prompt: str
 
-  def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
-
 
 def _pick(key: str, n: int, k: int) -> list[int]:
   """``k`` distinct indices of ``range(n)`` chosen by a hash of ``key`` (stable across runs and
@@ -152,29 +148,11 @@ def _pick(key: str, n: int, k: int) -> list[int]:
   return order[:k]
 
 
-def _read_jsonl(path: pathlib.Path, field: str) -> list[dict]:
-  if not path.is_file():
-    raise DataError(f"file not found: {path}")
-  rows = []
-  # split on "\n" only: str.splitlines() also splits at U+2028 etc. inside JSON strings
-  for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-    if not line.strip():
-      continue
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-    if not isinstance(row, dict) or not isinstance(row.get(field), str) or not row[field].strip():
-      raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {field!r}")
-    rows.append(row)
-  return rows
-
-
 def prompts_as_written(path: pathlib.Path) -> list[MixRow]:
   """Rows of a prompts file (``{id, prompt, category?, source?}``), unchanged."""
   return [MixRow(id=str(r.get("id", f"{path.stem}-{i}")), category=str(r.get("category", "")),
                  source=str(r.get("source", path.name)), prompt=r["prompt"].strip())
-          for i, r in enumerate(_read_jsonl(path, "prompt"))]
+          for i, (_, r) in enumerate(read_jsonl(path, "prompt"))]
 
 
 def qa_rows(path: pathlib.Path, *, seed: int) -> list[MixRow]:
@@ -196,7 +174,7 @@ def context_rows(path: pathlib.Path, *, tasks_per_passage: int, seed: int,
                     f"got {tasks_per_passage}")
   names = sorted(CONTEXT_TASKS)
   out = []
-  for i, r in enumerate(_read_jsonl(path, "text")):
+  for i, (_, r) in enumerate(read_jsonl(path, "text")):
     pid = str(r.get("id", f"passage-{i}"))
     text = _cut(r["text"].strip(), max_chars)
     for t in _pick(f"ctx/{seed}/{pid}", len(names), tasks_per_passage):
@@ -280,9 +258,8 @@ def build_mix(data_dir: str | pathlib.Path, *, tasks_per_passage: int = 3, seed:
 
 
 def write_rows(rows: Sequence[MixRow], path: str | pathlib.Path) -> None:
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text("".join(r.to_json() + "\n" for r in rows), encoding="utf-8")
+  """A JSON-lines prompts file (``.gz``: compressed, reproducible byte for byte)."""
+  write_jsonl([dataclasses.asdict(r) for r in rows], path)
 
 
 def count_mix(rows: Iterable[MixRow]) -> dict[str, int]:

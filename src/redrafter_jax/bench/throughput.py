@@ -1,0 +1,150 @@
+"""``python -m redrafter_jax.bench throughput``: the distillation pipeline against the machine's limit.
+
+Three measurements in one run, so their ratios hold whatever else the machine is doing:
+
+1. **Roofline**: the best tokens/s of a batched forward of the LLM (causal, no KV cache, logits
+   included) over a few shapes ``BxT``, with float32 and with bfloat16 weights (activations
+   float32). Nothing that processes tokens through the LLM can beat it on this machine.
+2. **Teacher generation**: ``distill()`` itself (the code ``redrafter-jax distill-data`` runs)
+   answering ``--gen-prompts`` prompts of a prompts file, per batch size and sampled fraction;
+   tokens/s counts response tokens over the whole call (prefill and compiles included, as a
+   real job pays them once per shape).
+3. **Training**: ``train()`` with a preset's model and training settings on the data written in
+   2, for ``--train-steps`` steps after one untimed compiling step; tokens/s counts every token
+   of every packed row (the trainer's own meter), the LLM forward included.
+
+Prints one markdown table; each row also gives its share of the roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import tempfile
+import time
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench throughput",
+                              description=__doc__.strip().splitlines()[0])
+  p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
+  p.add_argument("--prompts", type=pathlib.Path, required=True,
+                 help="prompts file for the generation rows (e.g. prompt-mix's output)")
+  p.add_argument("--forward-shapes", default="8x384,32x128,128x32",
+                 help="comma-separated BxT shapes of the roofline forward")
+  p.add_argument("--gen-prompts", type=int, default=128, help="prompts per generation row")
+  p.add_argument("--gen-batch", default="64,128", help="batch sizes of the generation rows")
+  p.add_argument("--sampled-fraction", default="0.25",
+                 help="comma-separated sampled fractions of the generation rows")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--gen-param-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="the LLM's weights when generating")
+  p.add_argument("--config", type=pathlib.Path, default=REPO_ROOT / "configs" / "smollm2_135m.yaml",
+                 help="preset whose drafter and training settings the training row uses")
+  p.add_argument("--train-steps", type=int, default=4, help="timed training steps (0: no row)")
+  p.add_argument("--reps", type=int, default=3, help="timed repetitions per forward shape")
+  args = p.parse_args(argv)
+  try:
+    args.forward_shapes = [tuple(int(x) for x in s.split("x")) for s in
+                           args.forward_shapes.split(",")]
+    args.gen_batch = [int(b) for b in args.gen_batch.split(",")]
+    args.sampled_fraction = [float(f) for f in args.sampled_fraction.split(",")]
+  except ValueError as e:
+    p.error(f"bad list argument ({e})")
+  if any(len(s) != 2 or min(s) < 1 for s in args.forward_shapes):
+    p.error("--forward-shapes: each shape is BxT with B, T >= 1")
+  if min(args.gen_batch) < 1 or args.gen_prompts < 1 or args.max_new_tokens < 1 or args.reps < 1:
+    p.error("--gen-batch, --gen-prompts, --max-new-tokens and --reps must be >= 1")
+  if args.train_steps < 0:
+    p.error("--train-steps must be >= 0")
+  return args
+
+
+def forward_tokens_per_s(llm, batch: int, length: int, reps: int) -> float:
+  """Best-of-``reps`` tokens/s of one jitted causal forward over ``[batch, length]`` tokens."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  graphdef, state = nnx.split(llm)
+
+  @jax.jit
+  def forward(state, tokens_BT):
+    model = nnx.merge(graphdef, state)
+    B, T = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    mask_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    logits_BTV, _, _ = model(tokens_BT, positions_BT, mask_BTT)
+    return jnp.argmax(logits_BTV, axis=-1)
+
+  tokens_BT = jax.random.randint(jax.random.key(0), (batch, length), 100, 20000)
+  jax.block_until_ready(forward(state, tokens_BT))
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(forward(state, tokens_BT))
+    best = min(best, time.perf_counter() - t)
+  return batch * length / best
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  import logging
+
+  import jax
+
+  from redrafter_jax import distill
+  from redrafter_jax.config import load_preset
+  from redrafter_jax.trainer import train
+
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  rows = []  # (job, setting, tokens/s)
+  for dtype in ("float32", "bfloat16"):
+    llm, _ = distill.load_teacher(args.model, param_dtype=dtype)
+    for B, T in args.forward_shapes:
+      tok_s = forward_tokens_per_s(llm, B, T, args.reps)
+      rows.append(("forward (roofline)", f"{dtype} weights, {B}x{T}", tok_s))
+      print(f"forward {dtype} {B}x{T}: {tok_s:.0f} tok/s", flush=True)
+    del llm
+  llm, _ = distill.load_teacher(args.model, param_dtype=args.gen_param_dtype)
+  tokenizer = distill.load_teacher_tokenizer(args.model)
+  with tempfile.TemporaryDirectory(prefix="redrafter_throughput_") as tmp:
+    data_dir = None
+    for batch in args.gen_batch:
+      for fraction in args.sampled_fraction:
+        out = pathlib.Path(tmp) / f"gen-b{batch}-s{fraction}"
+        stats = distill.distill(llm, tokenizer, args.prompts, out, model_name=args.model,
+                                limit=args.gen_prompts, max_new_tokens=args.max_new_tokens,
+                                batch_size=batch, sampled_fraction=fraction,
+                                shard_size=max(batch, args.gen_prompts // 2), progress=False)
+        rows.append(("teacher generation", f"{args.gen_param_dtype} weights, batch {batch}, "
+                     f"sampled {fraction:g}, {args.max_new_tokens} new", stats.tokens_per_s))
+        print(f"generation batch {batch} sampled {fraction}: {stats.tokens_per_s:.0f} tok/s "
+              f"({stats.new_tokens} tokens, {stats.seconds:.0f} s)", flush=True)
+        data_dir = data_dir or out
+    del llm
+    if args.train_steps:
+      preset = load_preset(args.config, {
+          "train.data": str(data_dir), "train.output_dir": str(pathlib.Path(tmp) / "train"),
+          "train.num_steps": args.train_steps + 1, "train.eval_shards": 0,
+          "train.checkpoint_every": 10**6, "train.log_every": 1})
+      result = train(preset, progress=False, export=False)
+      tok_s = result.history[-1]["tokens_per_s"]
+      p = preset.train
+      rows.append(("training", f"{preset.dtype} LLM, batch {p.batch_size} x {p.seq_len}, "
+                   f"{p.num_draft_steps} draft steps, vocab {p.vocab_limit or 'full'}, "
+                   f"soft {p.soft_targets}", tok_s))
+      print(f"training: {tok_s:.0f} tok/s", flush=True)
+  roof = max(r[2] for r in rows if r[0].startswith("forward"))
+  print(f"\n# Distillation throughput: {args.model} on {jax.devices()[0].device_kind} "
+        f"({distill.machine()})\n")
+  print("| job | setting | tokens/s | of roofline |\n| --- | --- | ---: | ---: |")
+  for job, setting, tok_s in rows:
+    print(f"| {job} | {setting} | {tok_s:.0f} | {tok_s / roof:.0%} |")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
