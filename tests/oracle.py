@@ -11,7 +11,7 @@ length of a step is exactly ``e0 - 1``.
 import jax.numpy as jnp
 from flax import nnx
 
-from redrafter_jax.beam_search import BeamOutput
+from redrafter_jax.inference.beam_search import BeamOutput
 
 
 class OracleDrafter(nnx.Module):

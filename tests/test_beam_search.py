@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redrafter_jax.beam_search import beam_search
 from redrafter_jax.config import DrafterConfig
+from redrafter_jax.inference.beam_search import beam_search
 from redrafter_jax.models.drafter import Drafter, reference_top_k_cut
 from redrafter_jax.weights.params import flat_params
 

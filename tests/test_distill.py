@@ -7,10 +7,12 @@ import pathlib
 import numpy as np
 import pytest
 
-from redrafter_jax import cli, data, distill
-from redrafter_jax.data import DataError
-from redrafter_jax.generate import generate
-from redrafter_jax.tokenizer import encode, stop_token_ids
+from redrafter_jax import cli
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.training import data, distill
+from redrafter_jax.training.data import DataError
+from redrafter_jax.weights import base_model
+from redrafter_jax.weights.tokenizer import ByteTokenizer, encode, stop_token_ids
 
 PROMPTS = ["Tell me a story.", "What is 2 + 2?", "Name three colours.", "Hi",
            "Explain gravity to a child in two sentences.", "Write a haiku about rain.",
@@ -19,8 +21,8 @@ PROMPTS = ["Tell me a story.", "What is 2 + 2?", "Name three colours.", "Hi",
 
 @pytest.fixture(scope="module")
 def teacher():
-  llm, _ = distill.load_teacher("random:tiny")
-  return llm, distill.load_teacher_tokenizer("random:tiny")
+  llm, _ = base_model.load_base_model("random:tiny")
+  return llm, base_model.load_base_tokenizer("random:tiny")
 
 
 @pytest.fixture
@@ -126,11 +128,11 @@ def test_cli_runs_and_reports_errors_in_one_line(prompts_file, tmp_path, capsys)
 def test_tokenizer_must_fit_the_model(prompts_file, tmp_path):
   from redrafter_jax.config import ConfigError
 
-  class Big(distill.ByteTokenizer):  # ids up to 400 + 255: beyond a 300-token model
+  class Big(ByteTokenizer):  # ids up to 400 + 255: beyond a 300-token model
     def _bytes(self, text):
       return [400 + b for b in text.encode()]
 
-  llm, _ = distill.load_teacher('random:{"vocab_size": 300}')
+  llm, _ = base_model.load_base_model('random:{"vocab_size": 300}')
   with pytest.raises(ConfigError, match="vocab_size is 300"):
     distill.distill(llm, Big(), prompts_file, tmp_path / "d", **KW)
 
@@ -153,7 +155,7 @@ def test_real_model_greedy_records(smollm2, tmp_path):
 def test_first_shards_are_a_uniform_sample_sorted_within_shards():
   """Stopping after k shards must not leave only the shortest prompts (an early run of ours did:
   jobs sorted globally by length put 612 short, mostly code prompts in the first 3 shards)."""
-  from redrafter_jax.distill import plan_jobs
+  from redrafter_jax.training.distill import plan_jobs
 
   lengths = list(range(1000))  # prompt i has length i
   jobs = plan_jobs(lengths, 0.25, seed=0, shard_size=100)

@@ -268,7 +268,7 @@ def test_pytorch_saved_drafter_decodes_identically(tmp_path):
   from flax import nnx
   from safetensors.torch import save_file as torch_save_file
 
-  from redrafter_jax.decode import decode
+  from redrafter_jax.inference.decode import decode
   from redrafter_jax.models.llama import Llama
 
   llm_cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_layers=2,

@@ -13,8 +13,8 @@ from flax import nnx
 
 import tiny_models
 from tiny_models import forward
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax.generate import generate
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.attention import BackendError, attend, check_backend
 from redrafter_jax.models.linear import project
 from redrafter_jax.weights.llama_weights import load_llama
@@ -225,7 +225,7 @@ def hf_smollm2():
 
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
-  from redrafter_jax.tokenizer import encode
+  from redrafter_jax.weights.tokenizer import encode
 
   model, cfg, tok = smollm2
   assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
@@ -239,7 +239,7 @@ def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
 def test_smollm2_greedy_64_tokens_match_transformers(smollm2, hf_smollm2):
   import torch
 
-  from redrafter_jax.tokenizer import encode
+  from redrafter_jax.weights.tokenizer import encode
 
   model, _, tok = smollm2
   eos = hf_smollm2.generation_config.eos_token_id

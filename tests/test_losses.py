@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redrafter_jax import losses
 from redrafter_jax.config import DrafterConfig, LlamaConfig
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
+from redrafter_jax.training import losses
 
 V, D = 50, 8
 

@@ -5,11 +5,12 @@ import sys
 
 import pytest
 
-from redrafter_jax import cli, self_prompts
-from redrafter_jax.data import DataError
-from redrafter_jax.distill import ByteTokenizer
+from redrafter_jax import cli
+from redrafter_jax.training import self_prompts
+from redrafter_jax.training.data import DataError
+from redrafter_jax.weights.tokenizer import ByteTokenizer
 
-GEN = sys.modules["redrafter_jax.generate"]
+GEN = sys.modules["redrafter_jax.inference.ar"]
 TOK = ByteTokenizer()
 PREFIX = [1] + TOK._bytes("user\n")
 

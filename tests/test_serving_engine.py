@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
-from redrafter_jax.decode import decode
+from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving import testing
+import serving_doubles as testing
 from redrafter_jax.serving.engine import (Delta, Engine, EngineConfig, Finished, GenerationRequest,
                                           QueueFull, RequestError)
 from redrafter_jax.serving.placement import serving_mesh

@@ -15,10 +15,12 @@ from typing import Any, Mapping
 
 import yaml
 
+from redrafter_jax.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """A configuration is malformed, inconsistent, or names something unsupported."""
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from redrafter_jax import kv_cache as kvc
+from redrafter_jax.errors import UserError
+from redrafter_jax.models import kv_cache as kvc
 
 BACKENDS = ("xla", "cudnn")
 _NEG_INF = -1e30
 
 
-class BackendError(RuntimeError):
+class BackendError(UserError, RuntimeError):
   """An attention backend is unknown or cannot run on this platform."""
 
 

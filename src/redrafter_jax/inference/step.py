@@ -1,36 +1,31 @@
-"""ReDrafter decoding: prefill, then a ``lax.while_loop`` of draft -> pack -> verify -> commit.
+"""One ReDrafter step, as pure functions of the models and an explicit state (static shapes):
 
-One step for every row at once (static shapes, no host sync):
   1. draft   beam search over the drafter from (h, g0)                       -> beams [B, W, L]
              (+ one beam copied from the context when ``cfg.lookup_ngram``: ``lookup``)
   2. pack    de-duplicate prefixes into a tree of N slots                     -> tokens, mask
   3. verify  one LLM forward over the N tree tokens against the cache        -> logits, hidden
   4. accept  the acceptance rule picks a path and the next token g0
   5. commit  move the accepted path's K/V into place (a gather of <= L slots) and advance
+
 Rows finish independently: a finished row stops emitting and committing at once; its slot keeps
-computing (masked) until the whole batch is done. ``decode_stepwise`` is the plain Python-loop
-twin (same step function) used by tests and for debugging; ``init`` / ``step`` are the pieces
-the serving engine and benchmarks drive directly.
+computing (masked) until the whole batch is done. ``decode.ReDrafter`` runs ``init`` once and
+``step`` in a ``lax.while_loop``; the serving engine and the benchmarks drive the pieces directly.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx, struct
+from flax import struct
 
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax import lookup, sampling, tree as tree_lib, verify as verify_lib
-from redrafter_jax.beam_search import BeamOutput, beam_search
 from redrafter_jax.config import DecodeConfig
-from redrafter_jax.generate import (GenerateError, Output, cache_size_for, check_sampling,
-                                    empty_output, pack_prompts, prefill, record)
-from redrafter_jax.models.drafter import Drafter, restrict_vocab
+from redrafter_jax.inference import lookup, sampling
+from redrafter_jax.inference import tree as tree_lib
+from redrafter_jax.inference import verify as verify_lib
+from redrafter_jax.inference.beam_search import BeamOutput, beam_search
+from redrafter_jax.inference.runtime import Output, empty_output, prefill, record
+from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 
 
@@ -199,179 +194,3 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
   verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
   return commit(state, cache, verdict, hidden_BND, tree, stop_ids,
                 max_new_tokens=cfg.max_new_tokens)
-
-
-TRACE_COUNT = {"decode": 0}  # incremented when the loop is traced: one trace per static shape
-
-
-@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered", "greedy"))
-def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *, cfg,
-              cache_size, filtered, greedy):
-  return init(nnx.merge(llm_def, llm_state), tokens_BT, lengths_B, params, rng, stop_ids,
-              cache_size=cache_size, max_new_tokens=cfg.max_new_tokens,
-              beam_length=cfg.beam_length, filtered=filtered, greedy=greedy)
-
-
-# The loop is its own program: it depends on (B, S, cfg) but not on the prompt length, so prompts
-# of new lengths only compile the (cheap) prefill again.
-_STATIC = ("llm_def", "drafter_def", "cfg", "filtered", "greedy")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered, greedy):
-  TRACE_COUNT["decode"] += 1
-  llm, drafter = nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state)
-  return jax.lax.while_loop(
-      lambda s: ~jnp.all(s.done_B),
-      lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered, greedy=greedy),
-      state)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def _step_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered, greedy):
-  return step(nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state), state,
-              params, stop_ids, cfg, filtered=filtered, greedy=greedy)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeResult:
-  """Host-side result of ``decode``: tokens per prompt and speculative statistics."""
-
-  tokens: list[list[int]]
-  stopped: list[bool]
-  steps: int  # loop iterations (verify forwards) for the whole batch
-  metrics: dict
-
-  @classmethod
-  def from_state(cls, state: DecodeState) -> "DecodeResult":
-    out, m = state.out, jax.device_get(state.metrics)
-    tokens_BM, num_B = np.asarray(out.tokens_BM), np.asarray(out.num_B)
-    return cls(tokens=[tokens_BM[b, :num_B[b]].tolist() for b in range(len(num_B))],
-               stopped=np.asarray(out.stopped_B).tolist(), steps=int(out.steps),
-               metrics=summarize(m, num_B))
-
-
-def summarize(m: Metrics, num_B: np.ndarray) -> dict:
-  """Run-level metrics. tokens_per_step = (accepted + 1) per verification step."""
-  steps = int(np.sum(m.steps_B))
-  hist = np.asarray(m.accept_hist_BL).sum(0)
-  at_least = hist[::-1].cumsum()[::-1]  # steps that accepted >= d drafted tokens
-  return dict(
-      steps=steps,
-      tokens_per_step=float((np.sum(m.accepted_B) + steps) / max(steps, 1)),
-      accepted_tokens=int(np.sum(m.accepted_B)),
-      per_depth_acceptance=[float(at_least[d] / max(at_least[d - 1], 1))
-                            for d in range(1, len(hist))],
-      accepted_length_histogram=hist.tolist(),
-      mean_tree_tokens=float(np.sum(m.tree_tokens_B) / max(steps, 1)),
-      mean_unique_tokens=float(np.sum(m.unique_tokens_B) / max(steps, 1)),
-      dedup_saving=float(1 - np.sum(m.unique_tokens_B) / max(np.sum(m.beam_tokens_B), 1)),
-      tokens_per_row=np.asarray(num_B).tolist(),
-      steps_per_row=np.asarray(m.steps_B).tolist())
-
-
-def draft_model(drafter, cfg: DecodeConfig):
-  """The drafter as decoding uses it: restricted to ``cfg.draft_vocab_size`` tokens if set."""
-  if isinstance(drafter, Drafter) and drafter.vocab_ids is None:
-    return restrict_vocab(drafter, cfg.draft_vocab_size)
-  return drafter
-
-
-def static_config(cfg: DecodeConfig) -> DecodeConfig:
-  """``cfg`` without the sampling defaults, which travel as arrays: changing a temperature must
-  not recompile (only whether every row is greedy is static: ``Prepared.greedy``)."""
-  return dataclasses.replace(cfg, temperature=0.0, top_p=1.0, top_k=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-  """Validated, packed inputs for one decode call (shared by ``decode`` and its twin)."""
-
-  tokens_BT: jax.Array
-  lengths_B: jax.Array
-  params: sampling.SamplingParams
-  rng: jax.Array
-  stop_ids: jax.Array
-  cache_size: int
-  filtered: bool
-  greedy: bool  # every row has temperature 0 (static: the argmax fast path)
-
-
-def prepare(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg: DecodeConfig,
-            *, seed: int, stop_ids: Sequence[int], temperature, top_p, top_k) -> Prepared:
-  temperature = cfg.temperature if temperature is None else temperature
-  top_p = cfg.top_p if top_p is None else top_p
-  top_k = cfg.top_k if top_k is None else top_k
-  check_sampling(temperature, top_p, top_k)
-  dcfg = getattr(drafter, "config", None)
-  if dcfg is not None and (dcfg.hidden_size, dcfg.vocab_size) != (llm.config.hidden_size,
-                                                                  llm.config.vocab_size):
-    raise GenerateError(
-        f"drafter (hidden_size={drafter.config.hidden_size}, vocab_size="
-        f"{drafter.config.vocab_size}) does not match the LLM (hidden_size="
-        f"{llm.config.hidden_size}, vocab_size={llm.config.vocab_size})")
-  tokens_BT, lengths_B = pack_prompts(prompts)
-  extra = cfg.beam_length + cfg.num_tree_tokens
-  size = cfg.cache_size or cache_size_for(int(lengths_B.max()), cfg.max_new_tokens, extra,
-                                          llm.config.max_position_embeddings, multiple=256)
-  if size < max(tokens_BT.shape[1], int(lengths_B.max()) + cfg.max_new_tokens + extra):
-    raise GenerateError(f"cache_size {size} is too small: need prompt + max_new_tokens + "
-                        f"{extra} scratch slots")
-  B = len(prompts)
-  return Prepared(jnp.asarray(tokens_BT), jnp.asarray(lengths_B),
-                  sampling.SamplingParams.make(B, temperature, top_p, top_k),
-                  jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32), size,
-                  sampling.needs_filter(top_p, top_k), sampling.all_greedy(temperature))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-  """A prefilled decode, ready for the loop (``_loop_jit``) or its twin (``_step_jit``)."""
-
-  models: tuple  # (llm_def, llm_state, drafter_def, drafter_state)
-  state: DecodeState
-  loop_args: tuple  # (params, stop_ids)
-  static: dict  # cfg, filtered and greedy
-
-  @classmethod
-  def start(cls, llm, drafter, prompts, cfg, **kwargs) -> "_Run":
-    p = prepare(llm, drafter, prompts, cfg, **kwargs)
-    llm_def, llm_state = nnx.split(llm)
-    drafter_def, drafter_state = nnx.split(draft_model(drafter, cfg))
-    static = dict(cfg=static_config(cfg), filtered=p.filtered, greedy=p.greedy)
-    state = _init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
-                      cache_size=p.cache_size, **static)
-    return cls((llm_def, llm_state, drafter_def, drafter_state), state, (p.params, p.stop_ids),
-               static)
-
-
-def decode(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]], cfg: DecodeConfig,
-           *, seed: int = 0, stop_ids: Sequence[int] = (), temperature=None, top_p=None,
-           top_k=None) -> DecodeResult:
-  """ReDrafter generation for a batch of token-id prompts; one compiled program per shape.
-
-  Sampling settings default to ``cfg``'s and may be given per prompt (arrays of length B).
-  Greedy (temperature 0) output equals ``generate``'s greedy output.
-  """
-  run = _Run.start(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids,
-                   temperature=temperature, top_p=top_p, top_k=top_k)
-  return DecodeResult.from_state(_loop_jit(*run.models, run.state, *run.loop_args, **run.static))
-
-
-def decode_stepwise(llm: Llama, drafter: Drafter, prompts: Sequence[Sequence[int]],
-                    cfg: DecodeConfig, *, seed: int = 0, stop_ids: Sequence[int] = (),
-                    temperature=None, top_p=None, top_k=None, on_step=None) -> DecodeResult:
-  """The Python-loop twin of ``decode``: same init and step, one jitted call per step.
-
-  ``on_step(state)`` (optional) sees the state after every step, for tests and debugging.
-  """
-  run = _Run.start(llm, drafter, prompts, cfg, seed=seed, stop_ids=stop_ids,
-                   temperature=temperature, top_p=top_p, top_k=top_k)
-  state = run.state
-  while not bool(jnp.all(state.done_B)):
-    state = _step_jit(*run.models, state, *run.loop_args, **run.static)
-    if on_step is not None:
-      on_step(state)
-  return DecodeResult.from_state(state)

@@ -32,14 +32,14 @@ import optax
 from flax import nnx, struct
 from tqdm.auto import tqdm
 
-from redrafter_jax import data as data_lib
-from redrafter_jax import losses
 from redrafter_jax import sharding as sh
-from redrafter_jax.checkpoint import Checkpointer, abstract_like
 from redrafter_jax.config import ConfigError, DrafterConfig, Preset
-from redrafter_jax.distill import load_teacher
 from redrafter_jax.models.drafter import (Drafter, TokenRanking, init_head_from_llm,
                                           restrict_vocab)
+from redrafter_jax.training import data as data_lib
+from redrafter_jax.training import losses
+from redrafter_jax.training.checkpoint import Checkpointer, abstract_like
+from redrafter_jax.weights.base_model import load_base_model
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def build_drafter(preset: Preset, llm_cfg) -> Drafter:
 def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
   """The LLM's graph, its state placed on ``mesh`` (tensor-parallel rules), its config and its
   output projection ``[V, D]`` on the host (only when ``train.head_init`` is "llm")."""
-  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
+  llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
   out_VD = None
   if preset.train.head_init == "llm" and not preset.train.init_drafter:
     out_VD = np.asarray(llm.output_matrix(), np.float32)

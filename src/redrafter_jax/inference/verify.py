@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from redrafter_jax import sampling
-from redrafter_jax.beam_search import BeamOutput
-from redrafter_jax.tree import Tree, unpack
+from redrafter_jax.inference import sampling
+from redrafter_jax.inference.beam_search import BeamOutput
+from redrafter_jax.inference.tree import Tree, unpack
 
 _TINY = 1e-30
 

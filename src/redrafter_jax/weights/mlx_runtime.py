@@ -3,7 +3,7 @@
 This is the Apple-silicon path for a drafter trained here: ``redrafter-jax export --format mlx``
 writes the reference layout, and this module loads it exactly as the reference's MLX code does
 (``load_weights`` with ``strict=True``: the key set must match) and drafts with the same beam
-search as ``redrafter_jax.beam_search`` (DESIGN §5):
+search as ``redrafter_jax.inference.beam_search`` (DESIGN §5):
 
   * beam scores start at ``[0, -5e4, ..., -5e4]`` so step 1 grows W distinct children of beam 0;
   * each step takes the joint top-W over W x V of (beam score + token log-prob), no length
@@ -15,7 +15,7 @@ Ties in the top-W are broken arbitrarily (MLX's partition), unlike ``lax.top_k``
 ``mlx`` is imported inside functions, so the package imports without it (``pip install
 redrafter_jax[mlx]``; ``mlx[cpu]`` on Linux). Smoke run::
 
-  python -m redrafter_jax.export_mlx --drafter DIR [--llm smollm2-135m --prompt "Hi"]
+  python -m redrafter_jax.weights.mlx_runtime --drafter DIR [--llm smollm2-135m --prompt "Hi"]
 """
 
 from __future__ import annotations
@@ -217,8 +217,8 @@ def _llm_inputs(source: str, prompt: str):
   """Embedding table, last hidden state, g0 and the tokenizer from a base LLM run in JAX."""
   import jax.numpy as jnp
 
-  from redrafter_jax import kv_cache as kvc
-  from redrafter_jax import tokenizer as toks
+  from redrafter_jax.models import kv_cache as kvc
+  from redrafter_jax.weights import tokenizer as toks
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 
   model, _ = load_llama(source)
@@ -234,7 +234,7 @@ def _llm_inputs(source: str, prompt: str):
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m redrafter_jax.export_mlx",
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.weights.mlx_runtime",
                               description="Load an exported drafter in MLX and draft beams.")
   p.add_argument("--drafter", required=True, help="folder written by export --format mlx")
   p.add_argument("--llm", help="base model (name, GGUF or HF folder) for the embedding table and "

@@ -1,4 +1,4 @@
-"""Stand-ins for exercising the serving stack without real weights (tests, smoke runs).
+"""Test doubles for the serving stack: it runs without real weights or a real tokenizer.
 
 * ``word_tokenizer(V)``: a real ``transformers`` fast tokenizer whose tokens are whole words
   (``w0``, ``w1``, ...), with special tokens and a chat template: text equality is token
@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax.beam_search import BeamOutput
+from redrafter_jax.inference.beam_search import BeamOutput
+from redrafter_jax.models import kv_cache as kvc
 
 SPECIALS = ("<pad>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")

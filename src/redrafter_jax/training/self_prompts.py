@@ -25,8 +25,8 @@ import time
 from tqdm.auto import tqdm
 
 from redrafter_jax.config import ConfigError
-from redrafter_jax.data import DataError
 from redrafter_jax.models.llama import Llama
+from redrafter_jax.training.data import DataError
 
 CATEGORY = "self"
 MIN_CHARS = 10  # shorter requests are mostly fragments ("Hi", "?")
@@ -94,8 +94,8 @@ def write_self_prompts(llm: Llama, tokenizer, out_path: str | pathlib.Path, *, n
   ``max_batches`` bounds the draws of this call (a sampler that rarely closes its turn would
   otherwise never stop); rerun to continue.
   """
-  from redrafter_jax.generate import generate
-  from redrafter_jax.tokenizer import stop_token_ids
+  from redrafter_jax.inference.ar import generate
+  from redrafter_jax.weights.tokenizer import stop_token_ids
 
   if num < 1 or batch_size < 1 or max_new_tokens < 1:
     raise ConfigError("num, batch_size and max_new_tokens must be >= 1")

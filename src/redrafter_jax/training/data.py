@@ -1,6 +1,6 @@
 """Distillation data: the on-disk record format and the grain input pipeline for training.
 
-On disk (written by ``redrafter-jax distill-data``, see ``distill.py``) a data folder holds
+On disk (written by ``redrafter-jax distill-data``, see ``training/distill.py``) a data folder holds
 ``manifest.json`` and ArrayRecord shards ``shard-NNNNN.array_record``. One record is a msgpack
 map ``{"id": str, "sampled": bool, "tokens": int32 bytes, "mask": uint8 bytes}``: a prompt and
 the frozen LLM's response, with ``mask`` 1 on response tokens (the only training targets).
@@ -31,12 +31,14 @@ import grain
 import msgpack
 import numpy as np
 
+from redrafter_jax.errors import UserError
+
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".array_record"
 FIELDS = ("tokens", "loss_mask", "segment_ids", "positions")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """A data folder, prompts file or record is missing or malformed."""
 
 
