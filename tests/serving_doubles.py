@@ -66,13 +66,13 @@ class SelfDrafter(nnx.Module):
       cache = kvc.advance(cache, jnp.ones((B,), jnp.int32))
       tok_B = jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32)
       true.append(tok_B)
-    true_BL1 = jnp.stack(true, axis=1)
+    true_BJ = jnp.stack(true, axis=1)
     e0_B = state.out.num_B % L + 1
     err_BW = jnp.maximum(1, e0_B[:, None] - jnp.arange(W)[None, :])
-    wrong_BWL1 = (true_BL1[:, None, :] + 1 + jnp.arange(W)[None, :, None]) % self.vocab_size
-    drafted_BWL1 = jnp.where(jnp.arange(1, L)[None, None, :] >= err_BW[:, :, None], wrong_BWL1,
-                             true_BL1[:, None, :])
+    wrong_BWJ = (true_BJ[:, None, :] + 1 + jnp.arange(W)[None, :, None]) % self.vocab_size
+    drafted_BWJ = jnp.where(jnp.arange(1, L)[None, None, :] >= err_BW[:, :, None], wrong_BWJ,
+                             true_BJ[:, None, :])
     beams_BWL = jnp.concatenate([jnp.broadcast_to(state.g0_B[:, None, None], (B, W, 1)),
-                                 drafted_BWL1], axis=2).astype(jnp.int32)
-    zeros_BWL1 = jnp.zeros((B, W, L - 1), jnp.float32)
-    return BeamOutput(beams_BWL=beams_BWL, logp_BWL1=zeros_BWL1, score_BW=zeros_BWL1.sum(-1))
+                                 drafted_BWJ], axis=2).astype(jnp.int32)
+    zeros_BWJ = jnp.zeros((B, W, L - 1), jnp.float32)
+    return BeamOutput(beams_BWL=beams_BWL, logp_BWJ=zeros_BWJ, score_BW=zeros_BWJ.sum(-1))

@@ -187,7 +187,7 @@ def test_beam_search_matches_jax_and_numpy_reference(tmp_path, name, W, L):
   ref_beams, ref_logp, ref_score, gap = numpy_beam_search(drafter, embed_VD, h_BD, g0_B, W, L)
   assert gap > 1e-3, f"test inputs have near-tied beam scores (gap {gap})"
   out = mlx_runtime.beam_search(m, embed_VD, h_BD, g0_B, beam_width=W, beam_length=L)
-  beams, logp, score = _np(out.beams_BWL), _np(out.logp_BWL1), _np(out.score_BW)
+  beams, logp, score = _np(out.beams_BWL), _np(out.logp_BWJ), _np(out.score_BW)
   assert beams.shape == (3, W, L) and logp.shape == (3, W, L - 1) and score.shape == (3, W)
   np.testing.assert_array_equal(beams[:, :, 0], np.repeat(g0_B[:, None], W, 1))
   np.testing.assert_array_equal(beams, ref_beams)
@@ -200,7 +200,7 @@ def test_beam_search_matches_jax_and_numpy_reference(tmp_path, name, W, L):
   jax_out = beam_search(drafter, jnp.asarray(embed_VD), jnp.asarray(h_BD), jnp.asarray(g0_B),
                         beam_width=W, beam_length=L)
   np.testing.assert_array_equal(beams, np.asarray(jax_out.beams_BWL))
-  np.testing.assert_allclose(logp, np.asarray(jax_out.logp_BWL1), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(logp, np.asarray(jax_out.logp_BWJ), atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(score, np.asarray(jax_out.score_BW), atol=1e-4, rtol=1e-5)
 
 

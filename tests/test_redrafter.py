@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import redrafter_jax as rj
-from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
+from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig, LlamaConfig
 from redrafter_jax.inference import decode as decode_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.runtime import GenerateError
@@ -96,3 +96,14 @@ def test_models_are_checked_once_at_construction(llm):
   with pytest.raises(GenerateError, match="does not match the LLM"):
     rj.ReDrafter(llm, other, DECODE)
 
+
+def test_greedy_acceptance_rejects_sampling(llm, drafter):
+  """``acceptance="greedy"`` means greedy decoding: a temperature above 0 is refused."""
+  with pytest.raises(ConfigError, match="greedy"):
+    DecodeConfig(acceptance="greedy", temperature=0.7)
+  cfg = DecodeConfig(beam_width=2, beam_length=3, max_new_tokens=8, acceptance="greedy")
+  rd = rj.ReDrafter(llm, drafter, cfg)
+  with pytest.raises(GenerateError, match="greedy"):
+    rd([[1, 2, 3]], temperature=0.5)
+  prompts = [[1, 2, 3], [4, 5, 6, 7]]
+  assert rd(prompts).tokens == generate(llm, prompts, max_new_tokens=8).tokens

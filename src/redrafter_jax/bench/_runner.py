@@ -109,7 +109,7 @@ class Runner:
       return r.tokens, dict(steps=r.steps, tokens_per_step=1.0)
     if m.kind == "redrafter":
       cfg = m.beams.config(max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab,
-                           acceptance="exact" if m.acceptance == "greedy" else m.acceptance)
+                           acceptance=m.acceptance)
       r = self.redrafter(cfg)(prompts, seed=seed, stop_ids=self.stops,
                               temperature=m.temperature, cache_size=cache_size)
       s = r.metrics

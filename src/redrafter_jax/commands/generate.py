@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
                  help="add one beam copied from the context after the latest match of its last "
                       "1..N tokens (prompt lookup; exact); 0 = off (default)")
   g.add_argument("--draft-vocab", type=int, default=None,
-                 help="draft only the K most frequent tokens (default: the drafter's own "
+                 help="draft only the R most frequent tokens (default: the drafter's own "
                       "recommendation, else the whole vocabulary)")
   g.add_argument("--acceptance", default="exact", choices=("exact", "typical", "reference"),
                  help="rule for temperature > 0: exact (default), typical (lossy), reference")

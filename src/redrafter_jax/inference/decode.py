@@ -175,6 +175,9 @@ class ReDrafter:
     top_p = cfg.top_p if top_p is None else top_p
     top_k = cfg.top_k if top_k is None else top_k
     check_sampling(temperature, top_p, top_k)
+    if cfg.acceptance == "greedy" and not sampling.all_greedy(temperature):
+      raise GenerateError(f"acceptance='greedy' decodes greedily; got temperature {temperature} "
+                          "(use acceptance='exact' to sample)")
     tokens_BT, lengths_B = pack_prompts(prompts)
     extra = cfg.beam_length + cfg.num_tree_tokens
     size = cache_size or cfg.cache_size or cache_size_for(

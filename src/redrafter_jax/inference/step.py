@@ -99,7 +99,7 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig
                         return_full=cfg.acceptance == "reference")
   if cfg.lookup_ngram:
     beams = with_lookup_beam(beams, state, cfg.lookup_ngram)
-  prefix_logp_BWL = jnp.pad(jnp.cumsum(beams.logp_BWL1, axis=2), ((0, 0), (0, 0), (1, 0)))
+  prefix_logp_BWL = jnp.pad(jnp.cumsum(beams.logp_BWJ, axis=2), ((0, 0), (0, 0), (1, 0)))
   return beams, tree_lib.pack(beams.beams_BWL, cfg.num_tree_tokens, prefix_logp_BWL)
 
 
@@ -109,9 +109,9 @@ def with_lookup_beam(beams: BeamOutput, state: DecodeState, max_ngram: int) -> B
   de-duplicates to nothing."""
   beam_BL, _ = lookup.lookup_beam(state.context_BS, state.cache.lengths_B, beams.beams_BWL[:, 0],
                                   max_ngram=max_ngram)
-  B, _, L1 = beams.logp_BWL1.shape
+  B, _, J = beams.logp_BWJ.shape
   return BeamOutput(beams_BWL=jnp.concatenate([beams.beams_BWL, beam_BL[:, None]], axis=1),
-                    logp_BWL1=jnp.concatenate([beams.logp_BWL1, jnp.zeros((B, 1, L1))], axis=1),
+                    logp_BWJ=jnp.concatenate([beams.logp_BWJ, jnp.zeros((B, 1, J))], axis=1),
                     score_BW=jnp.concatenate([beams.score_BW, jnp.zeros((B, 1))], axis=1))
 
 
@@ -134,8 +134,9 @@ def accept(rng, beams: BeamOutput, tree: tree_lib.Tree, logits_BNV,
            params: sampling.SamplingParams, cfg: DecodeConfig, filtered: bool,
            greedy: bool = False) -> verify_lib.Verdict:
   """The acceptance rule of ``cfg``. ``greedy`` (static: every row has temperature 0) takes the
-  argmax walk, which is what every rule does for greedy rows, without drawing random numbers."""
-  if greedy:
+  argmax walk, which is what every rule does for greedy rows, without drawing random numbers;
+  so does ``cfg.acceptance == "greedy"`` (whose callers admit temperature 0 only)."""
+  if greedy or cfg.acceptance == "greedy":
     return verify_lib.verify_greedy(tree, logits_BNV, beam_length=cfg.beam_length)
   if per_row_keys(rng):  # each row decides alone, as a batch of one with its own key
     def row(key, one_row):

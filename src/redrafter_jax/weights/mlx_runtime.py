@@ -8,7 +8,7 @@ search as ``redrafter_jax.inference.beam_search`` (DESIGN §5):
   * beam scores start at ``[0, -5e4, ..., -5e4]`` so step 1 grows W distinct children of beam 0;
   * each step takes the joint top-W over W x V of (beam score + token log-prob), no length
     normalisation;
-  * ``beams_BWL`` holds g0 in column 0 (L counts g0: L - 1 drafted tokens), ``logp_BWL1`` the
+  * ``beams_BWL`` holds g0 in column 0 (L counts g0: L - 1 drafted tokens), ``logp_BWJ`` the
     drafter's log-prob of each drafted token along its beam, ``score_BW`` the beam scores.
 
 Ties in the top-W are broken arbitrarily (MLX's partition), unlike ``lax.top_k``'s lowest index.
@@ -160,8 +160,8 @@ class MLXBeamOutput:
   """Beam search result as ``mx.array``s (same fields as ``beam_search.BeamOutput``)."""
 
   beams_BWL: object  # int32, g0 in column 0
-  logp_BWL1: object  # float32, log-prob of each drafted token along its beam
-  score_BW: object  # float32, beam scores (sum of logp_BWL1, no length normalisation)
+  logp_BWJ: object  # float32, log-prob of each drafted token along its beam
+  score_BW: object  # float32, beam scores (sum of logp_BWJ, no length normalisation)
 
 
 def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
@@ -191,12 +191,12 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
   s_BWD = drafter.init_state(h_BWD)
   for _ in range(L - 1):
     logp_BWV, s_BWD = drafter.step(h_BWD, s_BWD, mx.take(embed_VD, beams_BWl[..., -1], axis=0))
-    total_BX = (score_BW[..., None] + logp_BWV).reshape(B, W * V)
+    total_BU = (score_BW[..., None] + logp_BWV).reshape(B, W * V)
     # Top-W of W*V, sorted best first (as lax.top_k returns them).
-    top_BW = mx.argpartition(-total_BX, kth=W - 1, axis=-1)[:, :W]
-    order_BW = mx.argsort(-mx.take_along_axis(total_BX, top_BW, axis=-1), axis=-1)
+    top_BW = mx.argpartition(-total_BU, kth=W - 1, axis=-1)[:, :W]
+    order_BW = mx.argsort(-mx.take_along_axis(total_BU, top_BW, axis=-1), axis=-1)
     top_BW = mx.take_along_axis(top_BW, order_BW, axis=-1)
-    score_BW = mx.take_along_axis(total_BX, top_BW, axis=-1)
+    score_BW = mx.take_along_axis(total_BU, top_BW, axis=-1)
     parent_BW1 = (top_BW // V)[..., None].astype(mx.int32)
     token_BW1 = (top_BW % V)[..., None].astype(mx.int32)
     chosen_BW1 = mx.take_along_axis(logp_BWV.reshape(B, W * V), top_BW, axis=-1)[..., None]
@@ -206,7 +206,7 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
                               axis=-1)
     s_BWD = mx.take_along_axis(s_BWD, parent_BW1, axis=1)
   mx.eval(beams_BWl, logp_BWl, score_BW)
-  return MLXBeamOutput(beams_BWL=beams_BWl, logp_BWL1=logp_BWl, score_BW=score_BW)
+  return MLXBeamOutput(beams_BWL=beams_BWl, logp_BWJ=logp_BWl, score_BW=score_BW)
 
 
 # ---------------------------------------------------------------------------------------------
