@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Train a ReDrafter drafter by distillation: ``python train.py --config configs/tiny.yaml``.
 
-The same as ``redrafter-jax train``; all logic lives in ``redrafter_jax.trainer``. Examples:
+The same as ``redrafter-jax train``; all logic lives in ``redrafter_jax.training.trainer``.
+Examples:
 
   python train.py --config configs/smollm2_135m.yaml train.num_steps=2000 train.batch_size=16
   python train.py --config configs/tiny.yaml --stop-after-steps 5     # a time-boxed slice

@@ -11,9 +11,9 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def smollm2():
   """The real SmolLM2-135M-Instruct (fetched once into the cache), fp32, with its tokenizer."""
-  from redrafter_jax.tokenizer import load_tokenizer
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.llama_weights import load_llama
+  from redrafter_jax.weights.tokenizer import load_tokenizer
 
   model, cfg = load_llama("smollm2-135m")
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))

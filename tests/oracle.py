@@ -11,7 +11,7 @@ length of a step is exactly ``e0 - 1``.
 import jax.numpy as jnp
 from flax import nnx
 
-from redrafter_jax.beam_search import BeamOutput
+from redrafter_jax.inference.beam_search import BeamOutput
 
 
 class OracleDrafter(nnx.Module):
@@ -29,17 +29,17 @@ class OracleDrafter(nnx.Module):
     B, M = ref_BM.shape
     W, L = cfg.beam_width, cfg.beam_length
     rows = jnp.arange(B)[:, None]
-    idx_BL1 = jnp.clip(state.out.num_B[:, None] + jnp.arange(L - 1), 0, M - 1)
-    true_BL1 = ref_BM[rows, idx_BL1]
+    idx_BJ = jnp.clip(state.out.num_B[:, None] + jnp.arange(L - 1), 0, M - 1)
+    true_BJ = ref_BM[rows, idx_BJ]
     e0_B = self.planted_error_depth(state.out.steps, B, L)
     err_BW = jnp.maximum(1, e0_B[:, None] - jnp.arange(W)[None, :])
-    depth_L1 = jnp.arange(1, L)
-    wrong_BWL1 = (true_BL1[:, None, :] + 1 + jnp.arange(W)[None, :, None]) % self.vocab_size
-    drafted_BWL1 = jnp.where(depth_L1[None, None, :] >= err_BW[:, :, None], wrong_BWL1,
-                             true_BL1[:, None, :])
+    depth_J = jnp.arange(1, L)
+    wrong_BWJ = (true_BJ[:, None, :] + 1 + jnp.arange(W)[None, :, None]) % self.vocab_size
+    drafted_BWJ = jnp.where(depth_J[None, None, :] >= err_BW[:, :, None], wrong_BWJ,
+                             true_BJ[:, None, :])
     beams_BWL = jnp.concatenate(
-        [jnp.broadcast_to(state.g0_B[:, None, None], (B, W, 1)), drafted_BWL1], axis=2)
+        [jnp.broadcast_to(state.g0_B[:, None, None], (B, W, 1)), drafted_BWJ], axis=2)
     # Beam w is scored as less likely than beam w-1 (as a beam search would rank them).
-    logp_BWL1 = jnp.broadcast_to(-0.01 * (1 + jnp.arange(W))[None, :, None], (B, W, L - 1))
-    return BeamOutput(beams_BWL=beams_BWL.astype(jnp.int32), logp_BWL1=logp_BWL1,
-                      score_BW=logp_BWL1.sum(-1), full_logp_BWL1V=None)
+    logp_BWJ = jnp.broadcast_to(-0.01 * (1 + jnp.arange(W))[None, :, None], (B, W, L - 1))
+    return BeamOutput(beams_BWL=beams_BWL.astype(jnp.int32), logp_BWJ=logp_BWJ,
+                      score_BW=logp_BWJ.sum(-1), full_logp_BWJV=None)

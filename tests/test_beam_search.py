@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redrafter_jax.beam_search import beam_search
 from redrafter_jax.config import DrafterConfig
+from redrafter_jax.inference.beam_search import beam_search
 from redrafter_jax.models.drafter import Drafter, reference_top_k_cut
 from redrafter_jax.weights.params import flat_params
 
@@ -112,15 +112,15 @@ def test_beam_search_matches_numpy(W, L, rnn, exit_dim):
   g0 = rng.integers(0, V, size=B)
   out = beam_search(d, jnp.asarray(embed, jnp.float32), jnp.asarray(h, jnp.float32),
                     jnp.asarray(g0, jnp.int32), beam_width=W, beam_length=L, return_full=True)
-  assert out.beams_BWL.shape == (B, W, L) and out.logp_BWL1.shape == (B, W, L - 1)
+  assert out.beams_BWL.shape == (B, W, L) and out.logp_BWJ.shape == (B, W, L - 1)
   for b in range(B):
     beams, logps, scores = _np_beam_search(p, d.config, embed, h[b], int(g0[b]), W, L)
     np.testing.assert_array_equal(out.beams_BWL[b], beams)
-    np.testing.assert_allclose(out.logp_BWL1[b], logps, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.logp_BWJ[b], logps, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(out.score_BW[b], scores, rtol=1e-4, atol=1e-4)
   # The full distributions along each beam give back the chosen tokens' log-probs.
-  picked = jnp.take_along_axis(out.full_logp_BWL1V, out.beams_BWL[:, :, 1:, None], -1)[..., 0]
-  np.testing.assert_allclose(picked, out.logp_BWL1, rtol=1e-6)
+  picked = jnp.take_along_axis(out.full_logp_BWJV, out.beams_BWL[:, :, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(picked, out.logp_BWJ, rtol=1e-6)
 
 
 def test_beam_search_first_step_grows_distinct_children():
@@ -158,5 +158,5 @@ def test_restricted_draft_vocab_drafts_only_top_ranked_tokens():
   for b in range(2):
     beams_k, logps, _ = _np_beam_search(p, cfg_k, embed, h[b], int(g0[b]), 4, 4, ranking[:K])
     np.testing.assert_array_equal(out.beams_BWL[b], beams_k)
-    np.testing.assert_allclose(out.logp_BWL1[b], logps, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.logp_BWJ[b], logps, rtol=1e-4, atol=1e-4)
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from redrafter_jax.bench import profile
-from redrafter_jax.generate import generate
+from redrafter_jax.inference.ar import generate
 from tests import tiny_models
 
 

@@ -7,9 +7,9 @@ import pytest
 
 import tiny_models
 from redrafter_jax.cli import main
-from redrafter_jax.generate import generate
-from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
+from redrafter_jax.inference.ar import generate
 from redrafter_jax.weights.llama_weights import load_llama
+from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from redrafter_jax import data
-from redrafter_jax.data import DataError
+from redrafter_jax.training import data
+from redrafter_jax.training.data import DataError
 
 
 def _records(num=24, seed=0, max_len=40):

@@ -5,10 +5,11 @@ import pytest
 from flax import nnx
 
 from oracle import OracleDrafter
-from redrafter_jax import decode as decode_lib
 from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig, LlamaConfig
-from redrafter_jax.decode import decode, decode_stepwise
-from redrafter_jax.generate import GenerateError, generate
+from redrafter_jax.inference import decode as decode_lib
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.decode import decode, decode_stepwise
+from redrafter_jax.inference.runtime import GenerateError
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 

@@ -16,12 +16,12 @@ from flax import nnx
 
 from oracle import OracleDrafter
 from redrafter_jax.config import DecodeConfig, DrafterConfig
-from redrafter_jax.decode import decode
-from redrafter_jax.generate import generate
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.drafter import Drafter
-from redrafter_jax.shipped import recommended_config, resolve_drafter
-from redrafter_jax.tokenizer import encode
 from redrafter_jax.weights.drafter_io import load_drafter
+from redrafter_jax.weights.shipped import recommended_config, resolve_drafter
+from redrafter_jax.weights.tokenizer import encode
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,12 @@ import pathlib
 import numpy as np
 import pytest
 
-from redrafter_jax import cli, data, distill
-from redrafter_jax.data import DataError
-from redrafter_jax.generate import generate
-from redrafter_jax.tokenizer import encode, stop_token_ids
+from redrafter_jax import cli
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.training import data, distill
+from redrafter_jax.training.data import DataError
+from redrafter_jax.weights import base_model
+from redrafter_jax.weights.tokenizer import ByteTokenizer, encode, stop_token_ids
 
 PROMPTS = ["Tell me a story.", "What is 2 + 2?", "Name three colours.", "Hi",
            "Explain gravity to a child in two sentences.", "Write a haiku about rain.",
@@ -19,8 +21,8 @@ PROMPTS = ["Tell me a story.", "What is 2 + 2?", "Name three colours.", "Hi",
 
 @pytest.fixture(scope="module")
 def teacher():
-  llm, _ = distill.load_teacher("random:tiny")
-  return llm, distill.load_teacher_tokenizer("random:tiny")
+  llm, _ = base_model.load_base_model("random:tiny")
+  return llm, base_model.load_base_tokenizer("random:tiny")
 
 
 @pytest.fixture
@@ -126,11 +128,11 @@ def test_cli_runs_and_reports_errors_in_one_line(prompts_file, tmp_path, capsys)
 def test_tokenizer_must_fit_the_model(prompts_file, tmp_path):
   from redrafter_jax.config import ConfigError
 
-  class Big(distill.ByteTokenizer):  # ids up to 400 + 255: beyond a 300-token model
+  class Big(ByteTokenizer):  # ids up to 400 + 255: beyond a 300-token model
     def _bytes(self, text):
       return [400 + b for b in text.encode()]
 
-  llm, _ = distill.load_teacher('random:{"vocab_size": 300}')
+  llm, _ = base_model.load_base_model('random:{"vocab_size": 300}')
   with pytest.raises(ConfigError, match="vocab_size is 300"):
     distill.distill(llm, Big(), prompts_file, tmp_path / "d", **KW)
 
@@ -153,7 +155,7 @@ def test_real_model_greedy_records(smollm2, tmp_path):
 def test_first_shards_are_a_uniform_sample_sorted_within_shards():
   """Stopping after k shards must not leave only the shortest prompts (an early run of ours did:
   jobs sorted globally by length put 612 short, mostly code prompts in the first 3 shards)."""
-  from redrafter_jax.distill import plan_jobs
+  from redrafter_jax.training.distill import plan_jobs
 
   lengths = list(range(1000))  # prompt i has length i
   jobs = plan_jobs(lengths, 0.25, seed=0, shard_size=100)
@@ -172,10 +174,7 @@ def test_a_job_killed_mid_shard_resumes_to_what_one_run_writes(teacher, prompts_
   """Kill generation inside the second shard (after one of its batches): the first shard is
   kept, nothing of the second is, and a rerun completes the folder exactly."""
   llm, tok = teacher
-  import sys
-
-  gen_module = sys.modules["redrafter_jax.generate"]  # the package's `generate` is the function
-  real, calls = gen_module.generate, []
+  real, calls = distill.generate, []
 
   def dies_in_shard_two(*args, **kwargs):
     calls.append(1)
@@ -184,7 +183,7 @@ def test_a_job_killed_mid_shard_resumes_to_what_one_run_writes(teacher, prompts_
     return real(*args, **kwargs)
 
   kw = dict(KW, batch_size=2)
-  monkeypatch.setattr(gen_module, "generate", dies_in_shard_two)
+  monkeypatch.setattr(distill, "generate", dies_in_shard_two)
   with pytest.raises(KeyboardInterrupt):
     distill.distill(llm, tok, prompts_file, tmp_path / "d", **kw)
   manifest = json.loads((tmp_path / "d" / data.MANIFEST).read_text())
@@ -192,7 +191,7 @@ def test_a_job_killed_mid_shard_resumes_to_what_one_run_writes(teacher, prompts_
   assert sorted(p.name for p in (tmp_path / "d").glob("shard-*")) == ["shard-00000.npz"]
   entry = manifest["shards"]["shard-00000.npz"]
   assert entry["cpu_seconds"] > 0 and entry["seconds"] > 0 and "cpus" in entry["machine"]
-  monkeypatch.setattr(gen_module, "generate", real)
+  monkeypatch.setattr(distill, "generate", real)
   distill.distill(llm, tok, prompts_file, tmp_path / "d", **kw)
   distill.distill(llm, tok, prompts_file, tmp_path / "once", **kw)
   key = lambda r: (r["id"], r["sampled"], tuple(r["tokens"]), tuple(r["mask"]))

@@ -131,6 +131,35 @@ def test_trtllm_layout_keys_and_config(tmp_path):
   assert config["dtype"] == "float16"
 
 
+# What TensorRT-LLM's examples/redrafter/convert_checkpoint.py reads from a drafter folder
+# (--drafter_model_dir): config fields, then tensors by their reference names (n = layers).
+TRTLLM_CONVERTER_CONFIG = ("hidden_size", "exit_dim", "num_draft_layers", "rnn")
+TRTLLM_CONVERTER_TENSORS = ("input_proj.weight", "input_proj.bias", "lm_head.{i}.linear.weight",
+                            "lm_head.{i}.linear.bias", "lm_head.{n}.weight", "rnn_u.weight",
+                            "rnn_u.bias", "rnn_w.weight")
+
+
+def test_reference_export_holds_what_trtllm_converter_reads(tmp_path):
+  """The route to a TensorRT-LLM engine is the reference export + TensorRT-LLM's converter."""
+  cfg = CONFIGS["proj-rnn"]
+  out = save_drafter(random_drafter(cfg), tmp_path / "out", format="reference")
+  config = json.loads((out / "config.json").read_text())
+  assert all(k in config for k in TRTLLM_CONVERTER_CONFIG)
+  n = cfg.num_draft_layers
+  want = {name.format(i=i, n=n) for name in TRTLLM_CONVERTER_TENSORS for i in range(n)}
+  assert set(load_file(str(out / "model.safetensors"))) == want
+
+
+def test_trtllm_export_is_the_drafter_part_only(tmp_path):
+  """No base model and no engine build fields: TensorRT-LLM's converter writes those."""
+  out = save_drafter(random_drafter(CONFIGS["proj-rnn"]), tmp_path / "out", format="trtllm")
+  config = json.loads((out / "config.json").read_text())
+  for field in ("redrafter_num_beams", "redrafter_draft_len_per_beam", "redrafter_greedy_search",
+                "num_hidden_layers", "base_model_architecture"):
+    assert field not in config
+  assert all(k.startswith("drafter.") for k in load_file(str(out / "rank0.safetensors")))
+
+
 def test_trtllm_full_checkpoint_skips_base_model_tensors(tmp_path):
   drafter = random_drafter(CONFIGS["proj-rnn"])
   out = save_drafter(drafter, tmp_path / "out", format="trtllm")
@@ -268,7 +297,7 @@ def test_pytorch_saved_drafter_decodes_identically(tmp_path):
   from flax import nnx
   from safetensors.torch import save_file as torch_save_file
 
-  from redrafter_jax.decode import decode
+  from redrafter_jax.inference.decode import decode
   from redrafter_jax.models.llama import Llama
 
   llm_cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_layers=2,

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 import tiny_models
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax.generate import GenerateError, generate, pack_prompts
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.runtime import GenerateError, pack_prompts
+from redrafter_jax.models import kv_cache as kvc
 
 
 @pytest.fixture(scope="module")

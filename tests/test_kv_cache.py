@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import tiny_models
-from redrafter_jax import kv_cache as kvc
+from redrafter_jax.models import kv_cache as kvc
 
 S = 64  # cache slots
 

@@ -13,8 +13,8 @@ from flax import nnx
 
 import tiny_models
 from tiny_models import forward
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax.generate import generate
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.attention import BackendError, attend, check_backend
 from redrafter_jax.models.linear import project
 from redrafter_jax.weights.llama_weights import load_llama
@@ -115,18 +115,18 @@ def test_project_matches_float64_math_for_any_row_count(x_dtype, w_dtype):
   as that row in a batch."""
   rng = np.random.default_rng(0)
   w_OI = jnp.asarray(rng.normal(size=(48, 40)) / np.sqrt(40), w_dtype)
-  x_MI = jnp.asarray(rng.normal(size=(3, 40)), x_dtype)
-  exact = np.asarray(x_MI, np.float64) @ np.asarray(w_OI, np.float64).T
-  many = project(x_MI, w_OI, jnp.float32)
-  one = project(x_MI[None, 1:2], w_OI, jnp.float32)  # [1, 1, I]: one row in all
+  x_rI = jnp.asarray(rng.normal(size=(3, 40)), x_dtype)
+  exact = np.asarray(x_rI, np.float64) @ np.asarray(w_OI, np.float64).T
+  many = project(x_rI, w_OI, jnp.float32)
+  one = project(x_rI[None, 1:2], w_OI, jnp.float32)  # [1, 1, I]: one row in all
   assert many.shape == (3, 48) and one.shape == (1, 1, 48) and one.dtype == jnp.float32
   np.testing.assert_allclose(one[0, 0], many[1], rtol=1e-6, atol=1e-6)
   err = np.abs(np.asarray(many) - exact).max()
   assert err < 1e-5 if x_dtype == jnp.float32 else err < 1e-2
   if (x_dtype, w_dtype) == (jnp.float32, jnp.bfloat16):
-    rounded = np.asarray(x_MI.astype(jnp.bfloat16), np.float64) @ np.asarray(w_OI, np.float64).T
+    rounded = np.asarray(x_rI.astype(jnp.bfloat16), np.float64) @ np.asarray(w_OI, np.float64).T
     assert err < np.abs(rounded - exact).max() / 30
-  jaxpr = str(jax.make_jaxpr(lambda x: project(x, w_OI, jnp.float32))(x_MI[:1]))
+  jaxpr = str(jax.make_jaxpr(lambda x: project(x, w_OI, jnp.float32))(x_rI[:1]))
   assert ("concatenate" in jaxpr) == (w_dtype == jnp.bfloat16)  # f32 weights: a plain dot
 
 
@@ -225,7 +225,7 @@ def hf_smollm2():
 
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
-  from redrafter_jax.tokenizer import encode
+  from redrafter_jax.weights.tokenizer import encode
 
   model, cfg, tok = smollm2
   assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
@@ -239,7 +239,7 @@ def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
 def test_smollm2_greedy_64_tokens_match_transformers(smollm2, hf_smollm2):
   import torch
 
-  from redrafter_jax.tokenizer import encode
+  from redrafter_jax.weights.tokenizer import encode
 
   model, _, tok = smollm2
   eos = hf_smollm2.generation_config.eos_token_id

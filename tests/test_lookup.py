@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redrafter_jax import lookup
 from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig, LlamaConfig
-from redrafter_jax.decode import decode, decode_stepwise
-from redrafter_jax.generate import generate
+from redrafter_jax.inference import lookup
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.decode import decode, decode_stepwise
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import batch as batch_lib

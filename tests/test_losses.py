@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redrafter_jax import losses
 from redrafter_jax.config import DrafterConfig, LlamaConfig
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
+from redrafter_jax.training import losses
 
 V, D = 50, 8
 
@@ -136,7 +136,7 @@ def test_restricted_vocabulary_matches_loop_reference():
   loss, m = losses.distill_loss(
       lambda p: restrict_vocab(nnx.merge(graphdef, p, rest), K), params, jnp.asarray(hidden),
       jnp.asarray(emb), jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg), num_steps=n,
-      chunk=4, vocab_ids_K=jnp.asarray(ids))
+      chunk=4, vocab_ids_R=jnp.asarray(ids))
   ref_loss, ref_ce, ref_top1, ref_top5, ref_count = _reference(drafter, tokens, mask, seg, hidden,
                                                                emb, n, ids=np.asarray(ids))
   assert np.asarray(m["count_n"]).tolist() == ref_count
@@ -149,7 +149,7 @@ def test_restricted_vocabulary_matches_loop_reference():
   grads = jax.grad(lambda p: losses.distill_loss(
       lambda q: restrict_vocab(nnx.merge(graphdef, q, rest), K), p, jnp.asarray(hidden),
       jnp.asarray(emb), jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg), num_steps=n,
-      vocab_ids_K=jnp.asarray(ids))[0])(params)
+      vocab_ids_R=jnp.asarray(ids))[0])(params)
   g_CV = np.asarray(grads["lm_head"][len(drafter.lm_head) - 1]["kernel"])
   used = np.zeros(V, bool)
   used[ids] = True
@@ -177,7 +177,7 @@ def test_soft_targets_match_loop_reference(restricted):
   loss, m = losses.distill_loss(
       drafter_of, params, jnp.asarray(hidden), jnp.asarray(emb), jnp.asarray(tokens),
       jnp.asarray(mask), jnp.asarray(seg), num_steps=n, chunk=4,
-      vocab_ids_K=None if ids is None else jnp.asarray(ids), teacher_out_VD=jnp.asarray(out))
+      vocab_ids_R=None if ids is None else jnp.asarray(ids), teacher_out_VD=jnp.asarray(out))
   ref_loss, ref_ce, ref_top1, _, ref_count = _reference(
       drafter, tokens, mask, seg, hidden, emb, n, ids=None if ids is None else np.asarray(ids),
       teacher_out=out)
@@ -188,7 +188,7 @@ def test_soft_targets_match_loop_reference(restricted):
   hard, _ = losses.distill_loss(drafter_of, params, jnp.asarray(hidden), jnp.asarray(emb),
                                 jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg),
                                 num_steps=n, chunk=4,
-                                vocab_ids_K=None if ids is None else jnp.asarray(ids))
+                                vocab_ids_R=None if ids is None else jnp.asarray(ids))
   assert abs(float(hard) - float(loss)) > 1e-3  # a different loss, not the hard one renamed
 
 

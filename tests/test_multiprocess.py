@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from redrafter_jax import trainer
+from redrafter_jax.training import trainer
 from test_trainer import TINY, losses_of, preset, write_synthetic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from redrafter_jax import cli, prompt_mix
-from redrafter_jax.data import DataError
+from redrafter_jax import cli
+from redrafter_jax.training import prompt_mix
+from redrafter_jax.training.data import DataError
 
 
 def _jsonl(path, rows):
@@ -86,7 +87,7 @@ def test_cli_writes_the_mix_and_seeds(data_dir, tmp_path, capsys):
 
 
 def test_gzipped_prompt_files_are_reproducible_and_read_back(data_dir, tmp_path):
-  from redrafter_jax import distill
+  from redrafter_jax.training import distill
 
   rows = prompt_mix.build_mix(data_dir)
   a, b = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.gz"

@@ -12,8 +12,8 @@ import pytest
 import scipy.stats
 
 import tiny_models
-from redrafter_jax import sampling
-from redrafter_jax.generate import generate
+from redrafter_jax.inference import sampling
+from redrafter_jax.inference.ar import generate
 
 V = 64
 

@@ -5,11 +5,12 @@ import sys
 
 import pytest
 
-from redrafter_jax import cli, self_prompts
-from redrafter_jax.data import DataError
-from redrafter_jax.distill import ByteTokenizer
+from redrafter_jax import cli
+from redrafter_jax.training import self_prompts
+from redrafter_jax.training.data import DataError
+from redrafter_jax.weights.tokenizer import ByteTokenizer
 
-GEN = sys.modules["redrafter_jax.generate"]
+GEN = sys.modules["redrafter_jax.inference.ar"]
 TOK = ByteTokenizer()
 PREFIX = [1] + TOK._bytes("user\n")
 
@@ -87,7 +88,7 @@ def test_errors(tmp_path, monkeypatch):
 
 
 def test_seeds_open_the_user_turn_and_give_the_category(tmp_path, monkeypatch):
-  from redrafter_jax.prompt_mix import MixRow
+  from redrafter_jax.training.prompt_mix import MixRow
 
   seeds = [MixRow(id="s0", category="writing", source="seed", prompt="Write a poem about"),
            MixRow(id="s1", category="stem", source="seed", prompt="Explain how")]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import serving_doubles as testing
 from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
-from redrafter_jax.decode import decode
+from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving import testing
 from redrafter_jax.serving.engine import (Delta, Engine, EngineConfig, Finished, GenerationRequest,
                                           QueueFull, RequestError)
 from redrafter_jax.serving.placement import serving_mesh
@@ -198,6 +198,16 @@ def test_bad_requests_are_refused(self_engine):
       self_engine.submit(request, lambda _: None)
     assert e.value.param == param, (request, str(e.value))
   assert self_engine.generate(GenerationRequest([5], max_tokens=2)).finish_reason == "length"
+
+
+def test_greedy_acceptance_engine_refuses_sampling(llm, tok, random_drafter):
+  """A server configured with acceptance 'greedy' verifies by argmax: temperature must be 0."""
+  cfg = dataclasses.replace(ECFG, decode=dataclasses.replace(DCFG, acceptance="greedy"))
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  with pytest.raises(RequestError) as e:
+    engine.check(GenerationRequest([5], temperature=0.7))
+  assert e.value.param == "temperature"
+  assert engine.check(GenerationRequest([5], max_tokens=3)) == 3
 
 
 def test_sharded_engine_equals_decode(llm, tok, random_drafter, reference):

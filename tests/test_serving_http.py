@@ -16,14 +16,15 @@ import pytest
 from flax import nnx
 from jax.experimental import io_callback
 
-from redrafter_jax import tokenizer as tokenizer_lib
+import serving_doubles as testing
 from redrafter_jax.config import DecodeConfig, LlamaConfig
-from redrafter_jax.decode import decode
+from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving import loadtest, testing
+from redrafter_jax.serving import loadtest
 from redrafter_jax.serving.app import create_app
 from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.server import ServerThread
+from redrafter_jax.weights import tokenizer as tokenizer_lib
 
 V = 256
 EOS = 2

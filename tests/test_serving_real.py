@@ -6,13 +6,13 @@ import openai
 import pytest
 from flax import nnx
 
-from redrafter_jax import tokenizer as tokenizer_lib
 from redrafter_jax.config import DecodeConfig, DrafterConfig
-from redrafter_jax.decode import decode
+from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.serving.app import create_app
 from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.server import ServerThread
+from redrafter_jax.weights import tokenizer as tokenizer_lib
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from redrafter_jax.config import ConfigError
-from redrafter_jax.shipped import param_dtype_for, recommended_config, resolve_drafter
+from redrafter_jax.weights.shipped import param_dtype_for, recommended_config, resolve_drafter
 
 RECORDED = {"beam_width": 2, "beam_length": 4, "lookup_ngram": 3, "token_budget": 5,
             "draft_vocab_size": 8192}

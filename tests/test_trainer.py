@@ -7,8 +7,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from redrafter_jax import cli, data, trainer
+from redrafter_jax import cli
 from redrafter_jax.config import ConfigError, load_preset
+from redrafter_jax.training import data, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -102,10 +103,10 @@ def test_head_init_from_llm_reproduces_the_llm_logits(exit_dim):
   import jax.numpy as jnp
 
   from redrafter_jax.config import DrafterConfig
-  from redrafter_jax.distill import load_teacher
   from redrafter_jax.models.drafter import init_drafter, init_head_from_llm
+  from redrafter_jax.weights.base_model import load_base_model
 
-  llm, llm_cfg = load_teacher("random:tiny")
+  llm, llm_cfg = load_base_model("random:tiny")
   D = llm_cfg.hidden_size
   drafter = init_drafter(DrafterConfig(vocab_size=VOCAB, hidden_size=D, exit_dim=exit_dim))
   out_VD = np.asarray(llm.output_matrix())
@@ -130,8 +131,8 @@ def test_head_init_llm_trains_and_starts_from_the_llm(synthetic, tmp_path):
                                 learning_rate=0.0),
                          progress=False, export=False)
   # With a zero learning rate the head stays the LLM's output projection (tied embeddings).
-  from redrafter_jax.distill import load_teacher
-  llm, _ = load_teacher("random:tiny")
+  from redrafter_jax.weights.base_model import load_base_model
+  llm, _ = load_base_model("random:tiny")
   kernel = trainer.flat_dict(result.params)["lm_head.1.kernel"]  # [C, V] with C = 32 < D
   out_VD = np.asarray(llm.output_matrix())
   _, _, vt = np.linalg.svd(out_VD, full_matrices=False)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax import tree as tree_lib
 from redrafter_jax.config import LlamaConfig
+from redrafter_jax.inference import tree as tree_lib
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.llama import Llama
 
 PAPER_BEAMS = [[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]]

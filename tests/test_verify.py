@@ -9,13 +9,13 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from redrafter_jax import sampling
-from redrafter_jax import tree as tree_lib
-from redrafter_jax import verify
-from redrafter_jax.beam_search import BeamOutput
 from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
-from redrafter_jax.decode import decode
-from redrafter_jax.generate import generate
+from redrafter_jax.inference import sampling
+from redrafter_jax.inference import tree as tree_lib
+from redrafter_jax.inference import verify
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.beam_search import BeamOutput
+from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 

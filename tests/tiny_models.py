@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redrafter_jax import kv_cache as kvc
+from redrafter_jax.models import kv_cache as kvc
 
 VOCAB = 128
 

@@ -1,8 +1,9 @@
 """``redrafter-jax`` command line: one subcommand per module in ``redrafter_jax.commands``.
 
 Each command module defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``. Errors
-that are the user's (bad arguments, missing files, unknown models) are printed as ONE line
-``error: ...`` with exit status 2; anything else is a bug and keeps its traceback.
+that are the user's (``errors.UserError`` and its subclasses: bad arguments, configs, weights,
+unknown models; missing files) are printed as ONE line ``error: ...`` with exit status 2;
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import importlib
 import logging
 import sys
+
+from redrafter_jax.errors import user_errors
 
 COMMANDS = {
     "fetch": "redrafter_jax.commands.fetch",
@@ -24,22 +27,6 @@ COMMANDS = {
     "train": "redrafter_jax.commands.train",
     "serve": "redrafter_jax.commands.serve",
 }
-
-
-class UserError(Exception):
-  """An error caused by the user's input; printed as one line, exit status 2."""
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-  """Exception types that are the user's fault (bad config, weights, arguments, files)."""
-  from redrafter_jax.config import ConfigError
-  from redrafter_jax.generate import GenerateError
-  from redrafter_jax.models.attention import BackendError
-  from redrafter_jax.weights.fetch import FetchError
-  from redrafter_jax.weights.naming import WeightsError
-
-  return (UserError, ConfigError, GenerateError, BackendError, FetchError, WeightsError,
-          FileNotFoundError, FileExistsError, NotADirectoryError)
 
 
 def _available():

@@ -15,10 +15,12 @@ from typing import Any, Mapping
 
 import yaml
 
+from redrafter_jax.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """A configuration is malformed, inconsistent, or names something unsupported."""
 
 
@@ -217,14 +219,17 @@ class DecodeConfig:
   temperature: float = 0.0  # 0 means greedy
   top_p: float = 1.0
   top_k: int = 0  # 0 disables
-  acceptance: str = "exact"  # used when temperature > 0: exact | typical | reference
+  # How drafted tokens are accepted: "exact" (exact for any temperature; greedy rows take the
+  # argmax walk), "greedy" (the argmax walk; temperature must be 0), "typical" (Medusa's, lossy),
+  # "reference" (Apple's rule, not exact for beam-search drafts; for comparison).
+  acceptance: str = "exact"
   typical_eps: float = 0.09
   typical_delta: float = 0.3
   token_budget: int | None = None  # N; None means beams*(L-1)+1 (never truncates the tree)
   # One more beam copied from the context after the latest match of its last 1..n tokens
   # (prompt lookup; ``lookup.py``); 0 = off. Exact: the tree is verified as usual.
   lookup_ngram: int = 0
-  # Draft only the K most frequent tokens (the drafter's token ranking); 0 = the whole vocab.
+  # Draft only the R most frequent tokens (the drafter's token ranking); 0 = the whole vocab.
   draft_vocab_size: int = 0
   cache_size: int | None = None  # S; None means prompt + max_new_tokens + L, rounded up
 
@@ -245,6 +250,9 @@ class DecodeConfig:
       raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
     if self.acceptance not in ACCEPTANCE_RULES:
       raise ConfigError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+    if self.acceptance == "greedy" and self.temperature > 0:
+      raise ConfigError(f"acceptance='greedy' decodes greedily, so temperature must be 0, got "
+                        f"{self.temperature} (acceptance='exact' samples exactly)")
     if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
       raise ConfigError(f"draft_vocab_size must be an integer >= 0, got {self.draft_vocab_size!r}")
     if self.draft_vocab_size and self.acceptance == "reference":
@@ -319,8 +327,8 @@ class TrainConfig:
   eval_shards: int = 0
   eval_every: int = 0
   eval_batches: int = 8
-  # Train the head on the K most frequent response tokens only (0: all V); decode with
-  # ``restrict_vocab(drafter, K)`` to match. Cuts the dominant [C, V] cost of a step by V/K.
+  # Train the head on the R most frequent response tokens only (0: all V); decode with
+  # ``restrict_vocab(drafter, R)`` to match. Cuts the dominant [C, V] cost of a step by V/R.
   vocab_limit: int = 0
 
   def __post_init__(self):

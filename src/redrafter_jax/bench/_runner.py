@@ -48,17 +48,18 @@ class Runner:
   """Runs one method on a batch of token-id prompts and measures it."""
 
   def __init__(self, o, llm, drafter, tok, hf, llm_fp32=None, hf_bf16=None):
-    from redrafter_jax import decode as dec
     from redrafter_jax.config import DecodeConfig
-    from redrafter_jax.tokenizer import stop_token_ids
+    from redrafter_jax.inference.decode import draft_model
+    from redrafter_jax.weights.tokenizer import stop_token_ids
 
     self.o, self.llm, self.hf = o, llm, hf
     self.llm_fp32 = llm_fp32  # float32 weights, for methods that ask for them
     self.hf_bf16 = hf_bf16  # transformers in bfloat16, for methods that ask for it
     self.stops = stop_token_ids(tok)
     self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
-    # Restrict the draft vocabulary once, not inside every timed call.
-    self.drafter = dec.draft_model(drafter, DecodeConfig(draft_vocab_size=o.draft_vocab))
+    # Restrict the draft vocabulary once for all methods; each method's ReDrafter is built once.
+    self.drafter = draft_model(drafter, DecodeConfig(draft_vocab_size=o.draft_vocab))
+    self._redrafters = {}
     self.scratch = max(b.length + b.config().num_tree_tokens for b in o.beams + [o.main_beams])
     self.forwards = [0]
     for model in (hf, hf_bf16):
@@ -89,9 +90,16 @@ class Runner:
       rec["output_ids"] = tokens[0]
     return rec
 
+  def redrafter(self, cfg):
+    """The ``ReDrafter`` of one decode setting, built on first use (models split once)."""
+    from redrafter_jax.inference.decode import ReDrafter
+
+    if cfg not in self._redrafters:
+      self._redrafters[cfg] = ReDrafter(self.llm, self.drafter, cfg)
+    return self._redrafters[cfg]
+
   def call(self, m, prompts, cache_size: int, seed: int):
-    from redrafter_jax import decode as dec
-    from redrafter_jax.generate import generate
+    from redrafter_jax.inference.ar import generate
 
     o = self.o
     if m.kind == "ar":
@@ -101,10 +109,9 @@ class Runner:
       return r.tokens, dict(steps=r.steps, tokens_per_step=1.0)
     if m.kind == "redrafter":
       cfg = m.beams.config(max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab,
-                           acceptance="exact" if m.acceptance == "greedy" else m.acceptance,
-                           cache_size=cache_size)
-      r = dec.decode(self.llm, self.drafter, prompts, cfg, seed=seed, stop_ids=self.stops,
-                     temperature=m.temperature)
+                           acceptance=m.acceptance)
+      r = self.redrafter(cfg)(prompts, seed=seed, stop_ids=self.stops,
+                              temperature=m.temperature, cache_size=cache_size)
       s = r.metrics
       return r.tokens, dict(steps=s["steps"], tokens_per_step=s["tokens_per_step"],
                             accepted_histogram=s["accepted_length_histogram"],
@@ -173,8 +180,8 @@ def load_models(o):
   import jax.numpy as jnp
 
   from redrafter_jax.bench.decode import load_drafter_arg
-  from redrafter_jax.tokenizer import load_tokenizer
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+  from redrafter_jax.weights.tokenizer import load_tokenizer
 
   dtype = jnp.dtype(o.dtype)
   llm, cfg = load_llama(o.model, dtype=dtype, param_dtype=jnp.dtype(o.param_dtype),

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redrafter_jax.losses import frozen_hidden
 from redrafter_jax.models.drafter import restrict_vocab
-from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
+from redrafter_jax.training.losses import frozen_hidden
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
 
 def pick_prompts(path, tok, per_category: int, max_prompt_tokens: int):
@@ -96,7 +96,7 @@ def runs(hits_xn: np.ndarray, L: int) -> np.ndarray:
 
 def main(argv=None) -> int:
   from redrafter_jax.bench.decode import draft_vocab_arg, load_drafter_arg
-  from redrafter_jax.generate import generate
+  from redrafter_jax.inference.ar import generate
 
   ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench acceptance",
                                description=__doc__.splitlines()[0])

@@ -77,7 +77,7 @@ def load_hf(path: pathlib.Path):
 
 
 def ours_generate(model, ids: list[int], n: int) -> list[int]:
-  from redrafter_jax.generate import generate
+  from redrafter_jax.inference.ar import generate
 
   return generate(model, [ids], max_new_tokens=n).tokens[0]
 
@@ -104,8 +104,8 @@ def same_until_stop(ours: list[int], theirs: list[int], stop_ids) -> bool:
 
 
 def decode_table(model, hf, tok, rows, n: int) -> tuple[list[str], float]:
-  from redrafter_jax.generate import cache_size_for, pack_prompts
-  from redrafter_jax.tokenizer import encode, stop_token_ids
+  from redrafter_jax.inference.runtime import cache_size_for, pack_prompts
+  from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
   stop = stop_token_ids(tok)
   pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
@@ -146,7 +146,7 @@ def _jitted_forward():
   import jax.numpy as jnp
   from flax import nnx
 
-  from redrafter_jax import kv_cache as kvc
+  from redrafter_jax.models import kv_cache as kvc
 
   @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
   def forward(graphdef, state, cache, tokens_BT):
@@ -180,7 +180,7 @@ def forward_table(model, hf, prefix: list[int], sizes: list[int], reps: int) -> 
   import torch
   from flax import nnx
 
-  from redrafter_jax.generate import cache_size_for, prefill
+  from redrafter_jax.inference.runtime import cache_size_for, prefill
 
   P = len(prefix)
   size = cache_size_for(P, max(sizes), 1, model.config.max_position_embeddings)
@@ -229,8 +229,8 @@ def main(argv=None) -> int:
   import jax
   import torch
 
-  from redrafter_jax.tokenizer import encode, load_tokenizer
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+  from redrafter_jax.weights.tokenizer import encode, load_tokenizer
 
   args = parse_args(argv)
   try:

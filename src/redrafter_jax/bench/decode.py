@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redrafter_jax import decode as dec
 from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig
-from redrafter_jax.generate import generate
+from redrafter_jax.inference import step as step_lib
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models.drafter import Drafter
-from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).resolve().parents[3].parent / "shared/data/spec_bench.jsonl"
 
@@ -101,19 +102,15 @@ def _timed(fn, *args, repeat: int):
 
 def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
   """Median ms of each part of one decode step, on the state after prefilling ``prompt``."""
-  drafter = dec.draft_model(drafter, cfg)
-  cfg = dec.static_config(cfg)
-  p = dec.prepare(llm, drafter, [prompt], cfg, seed=0, stop_ids=(), temperature=None,
-                  top_p=None, top_k=None)
-  llm_def, llm_state = nnx.split(llm)
-  d_def, d_state = nnx.split(drafter)
-  state = dec._init_jit(llm_def, llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
-                        cfg=cfg, cache_size=p.cache_size, filtered=False,
-                        greedy=p.greedy)
+  rd = ReDrafter(llm, drafter, cfg)
+  p = rd.prepare([prompt])
+  state = rd.start(p)
+  cfg = rd.static_config
+  llm_def, llm_state, d_def, d_state = rd.llm_def, rd.llm_state, rd.drafter_def, rd.drafter_state
 
   @jax.jit
   def draft(llm_state, d_state, state):
-    return dec.draft(nnx.merge(llm_def, llm_state), nnx.merge(d_def, d_state), state, cfg)
+    return step_lib.draft(nnx.merge(llm_def, llm_state), nnx.merge(d_def, d_state), state, cfg)
 
   # Inside the decode loop XLA:CPU converts a bfloat16 embedding table for the drafter's row
   # gathers once, before the loop; a draft() jitted alone would convert all of it on every call.
@@ -124,13 +121,13 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
 
   @jax.jit
   def verify(llm_state, state, tree):
-    return dec.verify_forward(nnx.merge(llm_def, llm_state), state, tree)
+    return step_lib.verify_forward(nnx.merge(llm_def, llm_state), state, tree)
 
   @jax.jit
   def accept_commit(state, beams, tree, logits, hidden, cache):
-    verdict = dec.accept(state.rng, beams, tree, logits, p.params, cfg, False, p.greedy)
-    return dec.commit(state, cache, verdict, hidden, tree, p.stop_ids,
-                      max_new_tokens=cfg.max_new_tokens)
+    verdict = step_lib.accept(state.rng, beams, tree, logits, p.params, cfg, False, p.greedy)
+    return step_lib.commit(state, cache, verdict, hidden, tree, p.stop_ids,
+                           max_new_tokens=cfg.max_new_tokens)
 
   beams, tree = draft(llm_state, d_state, state)
   logits, hidden, cache = verify(llm_state, state, tree)
@@ -146,8 +143,8 @@ def load_drafter_arg(spec: str, llm_cfg, exit_dim: int, dtype=jnp.float32) -> Dr
   if spec == "random":
     return Drafter(DrafterConfig(vocab_size=llm_cfg.vocab_size, hidden_size=llm_cfg.hidden_size,
                                  exit_dim=exit_dim), dtype=dtype, rngs=nnx.Rngs(0))
-  from redrafter_jax.shipped import resolve_drafter
   from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.shipped import resolve_drafter
 
   return load_drafter(resolve_drafter(spec), dtype=dtype)
 
@@ -156,7 +153,7 @@ def draft_vocab_arg(spec: str, value: int | None) -> int:
   """``--draft-vocab``, defaulting to the drafter's recommended size (its decode.json), else all."""
   if spec == "random":
     return value or 0
-  from redrafter_jax.shipped import draft_vocab_for, resolve_drafter
+  from redrafter_jax.weights.shipped import draft_vocab_for, resolve_drafter
 
   return draft_vocab_for(resolve_drafter(spec), value)
 
@@ -199,8 +196,9 @@ def main(argv=None) -> int:
         f"device={jax.devices()[0].platform}")
   # Warm up (compile) every program first, then interleave the timed runs by prompt.
   generate(llm, [prompts[0]], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+  redrafters = {cfg: ReDrafter(llm, drafter, cfg) for cfg in cfgs}  # models split once each
   for cfg in cfgs:
-    dec.decode(llm, drafter, [prompts[0]], cfg, stop_ids=stops)
+    redrafters[cfg]([prompts[0]], stop_ids=stops)
   totals = {"ar": [0, 0.0]} | {c: [0, 0.0, 0, 0.0, 0.0, 0.0] for c in cfgs}
   for prompt in prompts:
     t = time.perf_counter()
@@ -209,7 +207,7 @@ def main(argv=None) -> int:
     totals["ar"][1] += time.perf_counter() - t
     for cfg in cfgs:
       t = time.perf_counter()
-      r = dec.decode(llm, drafter, [prompt], cfg, stop_ids=stops)
+      r = redrafters[cfg]([prompt], stop_ids=stops)
       row = totals[cfg]
       row[0] += len(r.tokens[0])
       row[1] += time.perf_counter() - t

@@ -153,11 +153,11 @@ def main(argv=None) -> int:
 def _run(args, dump: pathlib.Path) -> int:
   import jax
 
-  from redrafter_jax.decode import decode
-  from redrafter_jax.generate import generate
-  from redrafter_jax.shipped import recommended_config, resolve_drafter
+  from redrafter_jax.inference.ar import generate
+  from redrafter_jax.inference.decode import ReDrafter
   from redrafter_jax.weights.drafter_io import load_drafter
   from redrafter_jax.weights.llama_weights import load_llama
+  from redrafter_jax.weights.shipped import recommended_config, resolve_drafter
 
   import jax.numpy as jnp
 
@@ -170,8 +170,8 @@ def _run(args, dump: pathlib.Path) -> int:
   else:
     path = resolve_drafter(args.drafter)
     dcfg = recommended_config(path, max_new_tokens=args.max_new_tokens)
-    drafter = load_drafter(path)
-    run = lambda: decode(llm, drafter, [prompt], dcfg)
+    redrafter = ReDrafter(llm, load_drafter(path), dcfg)
+    run = lambda: redrafter([prompt])
     steps_of = lambda r: r.metrics["steps"]
     what = (f"ReDrafter decode W={dcfg.beam_width} L={dcfg.beam_length} "
             f"lookup={dcfg.lookup_ngram} N={dcfg.num_tree_tokens}")

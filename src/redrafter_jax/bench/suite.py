@@ -245,7 +245,7 @@ def run_folder(out: pathlib.Path, machine: str, quick: bool) -> pathlib.Path:
 
 def settings_of(o) -> dict:
   """What measurements depend on; a resumed run must match it exactly."""
-  from redrafter_jax import shipped
+  from redrafter_jax.weights import shipped
 
   # The drafter's fingerprint, not just its path: a retrained drafter at the same path must not
   # resume (and mix with) measurements of the old one.
@@ -266,7 +266,7 @@ def run(o) -> pathlib.Path:
   from redrafter_jax.bench import report
   from redrafter_jax.bench.decode import step_split
   from redrafter_jax.bench.report import Store
-  from redrafter_jax.tokenizer import encode
+  from redrafter_jax.weights.tokenizer import encode
 
   if o.gpu:
     import jax
@@ -347,7 +347,7 @@ def batch_sweep(o, runner: Runner, store, prompts: list[list[int]], methods, bar
 
 def main(argv=None) -> int:
   from redrafter_jax.bench.report import ResultsError
-  from redrafter_jax.cli import user_errors
+  from redrafter_jax.errors import user_errors
 
   o = parse_args(argv)
   try:

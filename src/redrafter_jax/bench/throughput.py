@@ -95,21 +95,22 @@ def main(argv=None) -> int:
 
   import jax
 
-  from redrafter_jax import distill
+  from redrafter_jax.training import distill
+  from redrafter_jax.weights import base_model
   from redrafter_jax.config import load_preset
-  from redrafter_jax.trainer import train
+  from redrafter_jax.training.trainer import train
 
   logging.getLogger("absl").setLevel(logging.WARNING)
   rows = []  # (job, setting, tokens/s)
   for dtype in ("float32", "bfloat16"):
-    llm, _ = distill.load_teacher(args.model, param_dtype=dtype)
+    llm, _ = base_model.load_base_model(args.model, param_dtype=dtype)
     for B, T in args.forward_shapes:
       tok_s = forward_tokens_per_s(llm, B, T, args.reps)
       rows.append(("forward (roofline)", f"{dtype} weights, {B}x{T}", tok_s))
       print(f"forward {dtype} {B}x{T}: {tok_s:.0f} tok/s", flush=True)
     del llm
-  llm, _ = distill.load_teacher(args.model, param_dtype=args.gen_param_dtype)
-  tokenizer = distill.load_teacher_tokenizer(args.model)
+  llm, _ = base_model.load_base_model(args.model, param_dtype=args.gen_param_dtype)
+  tokenizer = base_model.load_base_tokenizer(args.model)
   with tempfile.TemporaryDirectory(prefix="redrafter_throughput_") as tmp:
     data_dir = None
     for batch in args.gen_batch:

@@ -43,13 +43,13 @@ def add_arguments(p) -> None:
 def run(args) -> int:
   import jax.numpy as jnp
 
-  from redrafter_jax.decode import decode
-  from redrafter_jax.generate import generate
-  from redrafter_jax.shipped import param_dtype_for, recommended_config, resolve_drafter
-  from redrafter_jax.tokenizer import encode, load_tokenizer, stop_token_ids
+  from redrafter_jax.inference.ar import generate
+  from redrafter_jax.inference.decode import ReDrafter
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter
   from redrafter_jax.weights.llama_weights import load_llama
+  from redrafter_jax.weights.shipped import param_dtype_for, recommended_config, resolve_drafter
+  from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
   logging.getLogger("jax").setLevel(logging.WARNING)
   path = resolve_drafter(args.drafter)
@@ -59,7 +59,8 @@ def run(args) -> int:
   param_dtype = param_dtype_for(path, args.param_dtype)
   llm, _ = load_llama("smollm2-135m", param_dtype=jnp.dtype(param_dtype))
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))
-  drafter = load_drafter(path)
+  # Built once: the models are split and the draft vocabulary restricted here, not per call.
+  redrafter = ReDrafter(llm, load_drafter(path), cfg)
   stops = stop_token_ids(tok)
   prompts = [encode(tok, p, chat=True) for p in (args.prompt or PROMPTS)]
   print(f"SmolLM2-135M-Instruct (float32 activations, {param_dtype} weights, "
@@ -70,7 +71,7 @@ def run(args) -> int:
   print("compiling ...", flush=True)
   for ids in prompts:  # prompts of other padded lengths compile their own prefill: not timed
     generate(llm, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stops)
-    decode(llm, drafter, [ids], cfg, stop_ids=stops)
+    redrafter([ids], stop_ids=stops)
   total = {"ar": [0, 0.0], "rd": [0, 0.0, 0]}
   same = True
   for text, ids in zip(args.prompt or PROMPTS, prompts):
@@ -78,7 +79,7 @@ def run(args) -> int:
     ar = generate(llm, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens[0]
     t_ar = time.perf_counter() - t
     t = time.perf_counter()
-    rd = decode(llm, drafter, [ids], cfg, stop_ids=stops)
+    rd = redrafter([ids], stop_ids=stops)
     t_rd = time.perf_counter() - t
     same &= rd.tokens[0] == ar
     total["ar"][0] += len(ar)

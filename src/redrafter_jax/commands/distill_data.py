@@ -1,6 +1,6 @@
 """``redrafter-jax distill-data``: the frozen LLM writes the drafter's training data."""
 
-from redrafter_jax.cli import UserError
+from redrafter_jax.errors import UserError
 
 HELP = "self-distillation data: the frozen LLM answers training prompts (compressed shards)"
 
@@ -31,13 +31,14 @@ def run(args) -> int:
   import logging
 
   logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax/grain narrate every step at INFO
-  from redrafter_jax import distill
-  from redrafter_jax.data import DataError
+  from redrafter_jax.training import distill
+  from redrafter_jax.training.data import DataError
+  from redrafter_jax.weights import base_model
 
   try:
-    llm, cfg = distill.load_teacher(args.model, dtype=args.dtype,
-                                    param_dtype=args.param_dtype)
-    tok = distill.load_teacher_tokenizer(args.model)
+    llm, cfg = base_model.load_base_model(args.model, dtype=args.dtype,
+                                          param_dtype=args.param_dtype)
+    tok = base_model.load_base_tokenizer(args.model)
     stats = distill.distill(
         llm, tok, args.prompts, args.out, model_name=args.model, limit=args.limit,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

@@ -1,4 +1,6 @@
-"""``redrafter-jax export``: write a drafter in the reference, MLX or TensorRT-LLM format."""
+"""``redrafter-jax export``: write a drafter in the reference / MLX layout, or as the drafter's
+part of a TensorRT-LLM checkpoint (README "Export and MLX": TensorRT-LLM's own converter builds
+the whole checkpoint from the reference layout)."""
 
 from redrafter_jax.weights import drafter_io
 
@@ -9,7 +11,8 @@ def add_arguments(p):
   p.add_argument("--drafter", required=True,
                  help="drafter folder in any supported format (reference, MLX, TensorRT-LLM)")
   p.add_argument("--format", choices=drafter_io.FORMATS, default="mlx",
-                 help="output format (reference and mlx are the same layout)")
+                 help="output format (reference and mlx are the same layout; trtllm is the "
+                 "drafter's part of a TensorRT-LLM checkpoint only, without the base model)")
   p.add_argument("--dtype", choices=sorted(drafter_io.DTYPE_ALIASES), default="fp32",
                  help="dtype of the written tensors")
   p.add_argument("--out", required=True, help="output folder (must be empty or absent)")

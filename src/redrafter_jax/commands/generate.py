@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
                  help="add one beam copied from the context after the latest match of its last "
                       "1..N tokens (prompt lookup; exact); 0 = off (default)")
   g.add_argument("--draft-vocab", type=int, default=None,
-                 help="draft only the K most frequent tokens (default: the drafter's own "
+                 help="draft only the R most frequent tokens (default: the drafter's own "
                       "recommendation, else the whole vocabulary)")
   g.add_argument("--acceptance", default="exact", choices=("exact", "typical", "reference"),
                  help="rule for temperature > 0: exact (default), typical (lossy), reference")
@@ -62,8 +62,8 @@ def add_arguments(p) -> None:
 
 def check_arguments(args) -> None:
   """Reject bad arguments before any model is loaded."""
-  from redrafter_jax.cli import UserError
-  from redrafter_jax.generate import check_sampling
+  from redrafter_jax.errors import UserError
+  from redrafter_jax.inference.runtime import check_sampling
 
   if not args.prompt.strip():
     raise UserError("--prompt is empty")
@@ -93,8 +93,8 @@ def load_model(args):
   ``--backend``."""
   import jax.numpy as jnp
 
-  from redrafter_jax.tokenizer import load_tokenizer
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+  from redrafter_jax.weights.tokenizer import load_tokenizer
 
   model, _ = load_llama(args.model, dtype=jnp.dtype(args.dtype),
                         param_dtype=jnp.dtype(args.param_dtype or args.dtype),
@@ -103,7 +103,7 @@ def load_model(args):
 
 
 def encode_prompt(tok, args) -> list[int]:
-  from redrafter_jax.tokenizer import encode
+  from redrafter_jax.weights.tokenizer import encode
 
   return encode(tok, args.prompt, chat=args.chat, system=args.system)
 
@@ -120,7 +120,7 @@ class Generation:
 
 def ar_decoder(model, prompt_ids: list[int], args, stop_ids) -> Callable[[], Generation]:
   """Plain autoregressive decoding of one prompt (the baseline every decoder must match)."""
-  from redrafter_jax.generate import generate
+  from redrafter_jax.inference.ar import generate
 
   def decode() -> Generation:
     r = generate(model, [prompt_ids], max_new_tokens=args.max_new_tokens,
@@ -133,16 +133,16 @@ def ar_decoder(model, prompt_ids: list[int], args, stop_ids) -> Callable[[], Gen
 
 def redrafter_decoder(model, prompt_ids, args, stop_ids) -> Callable[[], Generation]:
   """ReDrafter decoding of one prompt with the drafter and beam settings of ``args``."""
-  from redrafter_jax.decode import decode as rd_decode
-  from redrafter_jax.shipped import draft_vocab_for, resolve_drafter
+  from redrafter_jax.inference.decode import ReDrafter
   from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.shipped import draft_vocab_for, resolve_drafter
 
   path = resolve_drafter(args.drafter)
-  drafter = load_drafter(path)
   cfg = decode_config(args, draft_vocab_for(path, args.draft_vocab))
+  redrafter = ReDrafter(model, load_drafter(path), cfg)  # every run reuses the split models
 
   def decode() -> Generation:
-    r = rd_decode(model, drafter, [prompt_ids], cfg, seed=args.seed, stop_ids=stop_ids,
+    r = redrafter([prompt_ids], seed=args.seed, stop_ids=stop_ids,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     m = r.metrics
     return Generation(tokens=r.tokens[0], stopped=r.stopped[0], forwards=r.steps,
@@ -186,8 +186,8 @@ def run(args) -> int:
   import logging
   import sys
 
-  from redrafter_jax.generate import GenerateError, cache_size_for
-  from redrafter_jax.tokenizer import stop_token_ids
+  from redrafter_jax.inference.runtime import GenerateError, cache_size_for
+  from redrafter_jax.weights.tokenizer import stop_token_ids
 
   check_arguments(args)
   logging.getLogger("jax").setLevel(logging.WARNING)  # not its INFO notes on absent backends

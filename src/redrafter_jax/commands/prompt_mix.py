@@ -1,6 +1,6 @@
 """``redrafter-jax prompt-mix``: the broad distillation prompt set and self-prompt seeds."""
 
-from redrafter_jax.cli import UserError
+from redrafter_jax.errors import UserError
 
 HELP = "build the distillation prompt mix (train, qa, passage tasks) and self-prompt seeds"
 
@@ -21,8 +21,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-  from redrafter_jax import prompt_mix
-  from redrafter_jax.data import DataError
+  from redrafter_jax.training import prompt_mix
+  from redrafter_jax.training.data import DataError
 
   try:
     rows = prompt_mix.build_mix(args.data, tasks_per_passage=args.tasks_per_passage,

@@ -1,6 +1,6 @@
 """``redrafter-jax self-prompts``: the LLM writes user requests for its own teacher data."""
 
-from redrafter_jax.cli import UserError
+from redrafter_jax.errors import UserError
 
 HELP = "the LLM samples user requests (a prompts file for distill-data), Magpie-style"
 
@@ -29,14 +29,15 @@ def add_arguments(p):
 def run(args) -> int:
   import pathlib
 
-  from redrafter_jax import distill, prompt_mix, self_prompts
-  from redrafter_jax.data import DataError
+  from redrafter_jax.training import prompt_mix, self_prompts
+  from redrafter_jax.training.data import DataError
+  from redrafter_jax.weights import base_model
 
   try:
     seeds = prompt_mix.prompts_as_written(pathlib.Path(args.seeds)) if args.seeds else ()
-    llm, _ = distill.load_teacher(args.model, dtype=args.dtype,
-                                  param_dtype=args.param_dtype)
-    tok = distill.load_teacher_tokenizer(args.model)
+    llm, _ = base_model.load_base_model(args.model, dtype=args.dtype,
+                                        param_dtype=args.param_dtype)
+    tok = base_model.load_base_tokenizer(args.model)
     stats = self_prompts.write_self_prompts(
         llm, tok, args.out, num=args.num, source=f"self-prompts ({args.model})",
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

@@ -1,6 +1,6 @@
 """``redrafter-jax train --config PRESET.yaml [section.key=value ...]``: distill the drafter."""
 
-from redrafter_jax.cli import UserError
+from redrafter_jax.errors import UserError
 
 HELP = "train the drafter by distillation from the frozen LLM (resumes from the newest checkpoint)"
 
@@ -25,9 +25,10 @@ def run(args) -> int:
   import logging
 
   logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax/grain narrate every step at INFO
-  from redrafter_jax import sharding, trainer
+  from redrafter_jax import sharding
   from redrafter_jax.config import load_preset, parse_overrides
-  from redrafter_jax.data import DataError
+  from redrafter_jax.training import trainer
+  from redrafter_jax.training.data import DataError
 
   preset = load_preset(args.config, parse_overrides(args.overrides))
   if args.coordinator is not None and (args.num_processes is None or args.process_id is None):

@@ -18,13 +18,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from redrafter_jax import kv_cache as kvc
+from redrafter_jax.errors import UserError
+from redrafter_jax.models import kv_cache as kvc
 
 BACKENDS = ("xla", "cudnn")
 _NEG_INF = -1e30
 
 
-class BackendError(RuntimeError):
+class BackendError(UserError, RuntimeError):
   """An attention backend is unknown or cannot run on this platform."""
 
 
@@ -54,14 +55,14 @@ def _attend_xla(q_BTHE, k_XES, v_XSE, mask_BTS):
   X, _, S = k_XES.shape
   K = X // B
   G = H // K
-  q_XME = q_BTHE.reshape(B, T, K, G, E).transpose(2, 0, 3, 1, 4).reshape(X, G * T, E)
-  scores_XMS = jnp.einsum("xme,xes->xms", q_XME, k_XES,
+  q_XQE = q_BTHE.reshape(B, T, K, G, E).transpose(2, 0, 3, 1, 4).reshape(X, G * T, E)
+  scores_XQS = jnp.einsum("xqe,xes->xqs", q_XQE, k_XES,
                           preferred_element_type=jnp.float32) * (E ** -0.5)
-  scores_KBGTS = scores_XMS.reshape(K, B, G, T, S)
+  scores_KBGTS = scores_XQS.reshape(K, B, G, T, S)
   scores_KBGTS = jnp.where(mask_BTS[None, :, None, :, :], scores_KBGTS, _NEG_INF)
-  probs_XMS = jax.nn.softmax(scores_KBGTS, axis=-1).astype(v_XSE.dtype).reshape(X, G * T, S)
-  out_XME = jnp.einsum("xms,xse->xme", probs_XMS, v_XSE)
-  return out_XME.reshape(K, B, G, T, E).transpose(1, 3, 0, 2, 4).reshape(B, T, H, E)
+  probs_XQS = jax.nn.softmax(scores_KBGTS, axis=-1).astype(v_XSE.dtype).reshape(X, G * T, S)
+  out_XQE = jnp.einsum("xqs,xse->xqe", probs_XQS, v_XSE)
+  return out_XQE.reshape(K, B, G, T, E).transpose(1, 3, 0, 2, 4).reshape(B, T, H, E)
 
 
 def _attend_cudnn(q_BTHE, k_XES, v_XSE, mask_BTS):

@@ -16,7 +16,7 @@ Parameter names and shapes follow the reference's safetensors keys (``lm_head.{i
 Draft vocabulary. On a CPU the drafter's cost is reading its ``[C, V]`` vocabulary projection
 once per beam-search step (memory-bound: 100 MB at C=512, V=49152, fp32). ``token_ranking``
 (token ids by frequency in the distillation data, saved beside the weights) lets
-``restrict_vocab(drafter, K)`` keep only the K most frequent tokens' rows: drafts can then only
+``restrict_vocab(drafter, R)`` keep only the R most frequent tokens' rows: drafts can then only
 use those tokens, which costs little acceptance and no exactness (verification is unchanged).
 """
 
@@ -122,21 +122,21 @@ def restrict_vocab(drafter: Drafter, size: int) -> Drafter:
   if drafter.vocab_ids is not None:
     raise ValueError("drafter vocabulary is already restricted")
   out = nnx.clone(drafter)
-  ids_K = jnp.asarray(drafter.token_ranking[...][:size], jnp.int32)
+  ids_R = jnp.asarray(drafter.token_ranking[...][:size], jnp.int32)
   head = out.lm_head[-1]
-  head.kernel = nnx.Param(jnp.take(head.kernel[...], ids_K, axis=1))
-  out.vocab_ids = nnx.Variable(ids_K)
+  head.kernel = nnx.Param(jnp.take(head.kernel[...], ids_R, axis=1))
+  out.vocab_ids = nnx.Variable(ids_R)
   return out
 
 
-def init_head_from_llm(drafter: Drafter, out_VD, vocab_ids_K=None) -> None:
+def init_head_from_llm(drafter: Drafter, out_VD, vocab_ids_R=None) -> None:
   """Start ``drafter``'s head from the LLM's own output projection ``out_VD`` (in place).
 
   Like Medusa's heads, a fresh drafter then scores tokens with the LLM's vocabulary geometry
   (at step 1 it reproduces the LLM's rank-C logits ``out_VD @ h``) instead of a random matrix,
   which matters when the distillation data is small. With ``input_proj`` (C != 2D) the h half
   of ``input_proj`` projects onto the top-C right singular vectors ``U_DC`` of ``out_VD``
-  (restricted to the rows ``vocab_ids_K`` when given) and the head is ``(out_VD @ U_DC)^T``;
+  (restricted to the rows ``vocab_ids_R`` when given) and the head is ``(out_VD @ U_DC)^T``;
   the state half keeps its random init. Without ``input_proj`` the head's h rows are
   ``out_VD^T`` and its state rows start at zero. ResBlocks are zero-initialised (identity).
   """
@@ -149,8 +149,8 @@ def init_head_from_llm(drafter: Drafter, out_VD, vocab_ids_K=None) -> None:
   head = drafter.lm_head[-1]
   dtype = head.kernel[...].dtype
   if cfg.has_input_proj:
-    rows_KD = out_VD if vocab_ids_K is None else out_VD[np.asarray(vocab_ids_K)]
-    _, _, vt_DD = np.linalg.svd(rows_KD, full_matrices=False)
+    rows_RD = out_VD if vocab_ids_R is None else out_VD[np.asarray(vocab_ids_R)]
+    _, _, vt_DD = np.linalg.svd(rows_RD, full_matrices=False)
     u_DC = np.zeros((D, C), np.float32)
     k = min(C, vt_DD.shape[0])
     u_DC[:, :k] = vt_DD[:k].T

@@ -33,25 +33,25 @@ from flax import nnx
 def project(x_xI: jax.Array, w_OI: jax.Array, dtype) -> jax.Array:
   """``x_xI @ w_OI.T`` for inputs of any leading shape: ``[..., I] -> [..., O]`` in ``dtype``."""
   *lead, I = x_xI.shape
-  x_MI = x_xI.reshape(-1, I)
-  M = x_MI.shape[0]
-  if jnp.finfo(x_MI.dtype).nmant > jnp.finfo(w_OI.dtype).nmant:
+  x_rI = x_xI.reshape(-1, I)
+  r = x_rI.shape[0]
+  if jnp.finfo(x_rI.dtype).nmant > jnp.finfo(w_OI.dtype).nmant:
     # Float32 activations, low-precision weights: x = hi + lo, both in the weight's dtype, as
     # extra rows of one matmul (x keeps ~16 of its 24 mantissa bits, products are exact, sums
     # float32). Rounding x to bf16 alone would turn float32 noise into 2^-9 steps.
-    hi_MI = x_MI.astype(w_OI.dtype)
-    lo_MI = (x_MI - hi_MI.astype(x_MI.dtype)).astype(w_OI.dtype)
-    y_RO = _dot(jnp.concatenate([hi_MI, lo_MI], axis=0), w_OI)
-    y_MO = y_RO[:M] + y_RO[M:]
-  elif M == 1 and w_OI.dtype != jnp.float32:
-    y_MO = _dot(jnp.concatenate([x_MI, x_MI], axis=0).astype(w_OI.dtype), w_OI)[:1]
+    hi_rI = x_rI.astype(w_OI.dtype)
+    lo_rI = (x_rI - hi_rI.astype(x_rI.dtype)).astype(w_OI.dtype)
+    y_hilo = _dot(jnp.concatenate([hi_rI, lo_rI], axis=0), w_OI)  # [2r, O]: hi rows, lo rows
+    y_rO = y_hilo[:r] + y_hilo[r:]
+  elif r == 1 and w_OI.dtype != jnp.float32:
+    y_rO = _dot(jnp.concatenate([x_rI, x_rI], axis=0).astype(w_OI.dtype), w_OI)[:1]
   else:
-    y_MO = _dot(x_MI.astype(w_OI.dtype), w_OI)
-  return y_MO.astype(dtype).reshape(*lead, w_OI.shape[0])
+    y_rO = _dot(x_rI.astype(w_OI.dtype), w_OI)
+  return y_rO.astype(dtype).reshape(*lead, w_OI.shape[0])
 
 
-def _dot(x_RI, w_OI):
-  return jax.lax.dot_general(x_RI, w_OI, (((1,), (1,)), ((), ())),
+def _dot(x_rI, w_OI):
+  return jax.lax.dot_general(x_rI, w_OI, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
 
 

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redrafter_jax import kv_cache as kvc
 from redrafter_jax.config import LlamaConfig
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.attention import attend
 from redrafter_jax.models.linear import Dense, Embed
 

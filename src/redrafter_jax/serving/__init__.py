@@ -2,7 +2,7 @@
 
 Modules: ``engine`` (slots, queue, the engine thread), ``batch`` and ``placement`` (the device
 side), ``request``, ``textstream``, ``protocol`` and ``app`` (the HTTP side), ``metrics``,
-``server`` (assembly from a preset), ``loadtest``, ``testing`` (stand-ins for tests). Names
+``server`` (assembly from a preset), ``loadtest``. Names
 load on first use, so the load test does not pull in the HTTP server or the engine.
 """
 

@@ -24,12 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from redrafter_jax import tokenizer as tokenizer_lib
 from redrafter_jax.serving import protocol
 from redrafter_jax.serving.engine import Engine
+from redrafter_jax.serving.protocol import APIError
 from redrafter_jax.serving.request import (EngineStopped, Failed, Finished, GenerationRequest,
                                            QueueFull, RequestError)
-from redrafter_jax.serving.protocol import APIError
+from redrafter_jax.weights import tokenizer as tokenizer_lib
 
 log = logging.getLogger(__name__)
 

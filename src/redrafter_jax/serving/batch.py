@@ -7,7 +7,7 @@ batch, so nothing of it makes a host round trip):
   ``admit``     prefill one prompt (batch 1, length bucketed by the caller), choose its first
                 token with the request's own key, and write the row into a slot: cache row,
                 g0, h, output row, done flag, metrics row, sampling settings, key, limit.
-  ``spec_step`` one ReDrafter step (``decode.step``) for every slot;
+  ``spec_step`` one ReDrafter step (``inference.step.step``) for every slot;
   ``ar_step``   one plain autoregressive step (the server's ReDrafter-off mode).
 
 Both steps return a small ``StepOut`` (the tokens each row gained, counts, flags), which is all
@@ -23,18 +23,18 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from redrafter_jax import decode as decode_lib
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax import lookup, sampling
 from redrafter_jax.config import DecodeConfig, LlamaConfig
-from redrafter_jax.generate import empty_output, prefill, record
+from redrafter_jax.inference import lookup, sampling
+from redrafter_jax.inference import step as step_lib
+from redrafter_jax.inference.runtime import empty_output, prefill, record
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 
 
 @struct.dataclass
 class SlotBatch:
-  state: decode_lib.DecodeState  # ``state.rng`` holds one key per slot
+  state: step_lib.DecodeState  # ``state.rng`` holds one key per slot
   params: sampling.SamplingParams
   limit_B: jax.Array  # int32: the request's max_tokens (the row is done once it has that many)
 
@@ -52,12 +52,12 @@ def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
           beam_length: int) -> SlotBatch:
   """All slots free (done), caches zero."""
   B = slots
-  state = decode_lib.DecodeState(
+  state = step_lib.DecodeState(
       cache=kvc.init(cfg.num_layers, B, cache_size, cfg.num_kv_heads, cfg.head_dim, dtype),
       g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, cfg.hidden_size), dtype),
       context_BS=jnp.zeros((B, cache_size), jnp.int32), out=empty_output(B, max_tokens),
       done_B=jnp.ones((B,), bool), rng=jax.random.split(jax.random.key(0), B),
-      metrics=decode_lib.Metrics.zeros(B, beam_length))
+      metrics=step_lib.Metrics.zeros(B, beam_length))
   return SlotBatch(state, sampling.SamplingParams.make(B), jnp.zeros((B,), jnp.int32))
 
 
@@ -96,7 +96,7 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
                       num_B=put(s.out.num_B, out_1.num_B),
                       stopped_B=put(s.out.stopped_B, out_1.stopped_B))
   metrics = jax.tree.map(lambda x: x.at[slot].set(0), s.metrics)
-  context_1S = decode_lib.start_context(tokens_1T, length_1, g0_1, s.context_BS.shape[1])
+  context_1S = step_lib.start_context(tokens_1T, length_1, g0_1, s.context_BS.shape[1])
   state = s.replace(cache=cache, g0_B=put(s.g0_B, g0_1),
                     context_BS=put(s.context_BS, context_1S),
                     h_BD=put(s.h_BD, h_1D.astype(s.h_BD.dtype)), out=out,
@@ -105,7 +105,7 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
   return SlotBatch(state, params, batch.limit_B.at[slot].set(limit)), g0_1[0]
 
 
-def _finish(batch: SlotBatch, old: decode_lib.DecodeState, new: decode_lib.DecodeState,
+def _finish(batch: SlotBatch, old: step_lib.DecodeState, new: step_lib.DecodeState,
             width: int) -> tuple[SlotBatch, StepOut]:
   """Apply the per-row limits and cut out the tokens each row gained."""
   M = new.out.tokens_BM.shape[1]
@@ -123,7 +123,7 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
               filtered: bool, greedy: bool = False) -> tuple[SlotBatch, StepOut]:
   """One ReDrafter step (draft, verify, accept, commit) for every slot. ``greedy`` (static) when
   every active request is greedy; rows' random keys advance the same either way."""
-  new = decode_lib.step(llm, drafter, batch.state, batch.params, stop_ids, cfg,
+  new = step_lib.step(llm, drafter, batch.state, batch.params, stop_ids, cfg,
                         filtered=filtered, greedy=greedy)
   return _finish(batch, batch.state, new, cfg.beam_length)
 

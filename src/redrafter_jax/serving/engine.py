@@ -162,6 +162,9 @@ class Engine:
   def check(self, request: GenerationRequest) -> int:
     """Validate ``request``; returns its effective max_tokens. Raises ``RequestError``."""
     cfg = self.config
+    if cfg.speculative and cfg.decode.acceptance == "greedy" and request.temperature > 0:
+      raise RequestError("this server verifies greedily (acceptance 'greedy'): temperature must "
+                         "be 0", "temperature")
     return validate(request, vocab_size=self.vocab_size, max_context=cfg.max_context,
                     reserved=cfg.scratch, max_tokens=cfg.max_tokens,
                     default_max_tokens=cfg.default_max_tokens)

@@ -21,9 +21,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from redrafter_jax import decode as decode_lib
 from redrafter_jax import sharding as sh
 from redrafter_jax.config import ConfigError
+from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import batch as batch_lib
@@ -53,13 +53,19 @@ class Placement:
     self.config = config
     self.mesh = mesh if mesh is not None else serving_mesh(1)
     repl = sh.replicated(self.mesh)
-    self._llm_def, llm_state = nnx.split(llm)
-    self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
     self._drafter_def, self.drafter_state = None, None
+    # Output rows hold up to max_tokens; each request's own limit is applied per row.
+    self._decode = dataclasses.replace(config.decode, max_new_tokens=config.max_tokens)
     if drafter is not None:
-      drafter = decode_lib.draft_model(drafter, config.decode)  # draft_vocab_size, if set
-      self._drafter_def, drafter_state = nnx.split(drafter)
-      self.drafter_state = jax.device_put(drafter_state, repl)
+      # The object ``decode`` uses: it splits both models and restricts the draft vocabulary
+      # once; the steps below run its step function on the slot batch.
+      rd = ReDrafter(llm, drafter, self._decode)
+      self._llm_def, llm_state, self._decode = rd.llm_def, rd.llm_state, rd.static_config
+      self._drafter_def, self.drafter_state = rd.drafter_def, jax.device_put(rd.drafter_state,
+                                                                             repl)
+    else:
+      self._llm_def, llm_state = nnx.split(llm)
+    self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
     llm_cfg, dtype = llm.config, llm.dtype
     self._empty = lambda: batch_lib.empty(
         llm_cfg, dtype, config.slots, config.max_context, config.max_tokens,
@@ -124,10 +130,7 @@ class Placement:
     return jax.device_get(out)
 
   def _make_step(self, filtered: bool, greedy: bool):
-    llm_def, drafter_def = self._llm_def, self._drafter_def
-    # Output rows hold up to max_tokens; each request's own limit is applied per row.
-    dcfg = dataclasses.replace(decode_lib.static_config(self.config.decode),
-                               max_new_tokens=self.config.max_tokens)
+    llm_def, drafter_def, dcfg = self._llm_def, self._drafter_def, self._decode
     speculative = self.config.speculative
 
     def step(llm_state, drafter_state, batch, stop_ids):

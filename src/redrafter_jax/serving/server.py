@@ -45,8 +45,8 @@ def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool,
   if path is None:
     raise ConfigError("no drafter to serve: set drafter_path in the preset, pass --drafter PATH, "
                       "or use --random-drafter (tests) or --ar (no speculation)")
-  from redrafter_jax.shipped import resolve_drafter
   from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.shipped import resolve_drafter
 
   try:
     return load_drafter(resolve_drafter(path))  # 'shipped' or a folder
@@ -64,12 +64,12 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
   requests that do not say) to the preset's ``decode.max_new_tokens``.
   """
-  from redrafter_jax import tokenizer as tokenizer_lib
-  from redrafter_jax.distill import load_teacher, load_teacher_tokenizer
+  from redrafter_jax.weights import tokenizer as tokenizer_lib
+  from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
 
   mesh = serving_mesh(devices)
-  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
-  tok = load_teacher_tokenizer(preset.model)
+  llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
+  tok = load_base_tokenizer(preset.model)
   engine_config = EngineConfig(
       slots=slots, max_context=max_context or min(2048, llm_cfg.max_position_embeddings),
       max_tokens=max_tokens, default_max_tokens=default_max_tokens or preset.decode.max_new_tokens,

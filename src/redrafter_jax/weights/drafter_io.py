@@ -5,12 +5,18 @@ A drafter folder holds ``config.json`` and one unsharded safetensors file in PyT
 
   reference / mlx  ``model.safetensors``: ``input_proj.*``, ``lm_head.{i}.linear.*``,
                    ``lm_head.{n}.weight``, ``rnn_u.*``, ``rnn_w.weight``; config fields of §5.
-  trtllm           ``rank0.safetensors`` (TensorRT-LLM's name for tensor-parallel rank 0): the
-                   same tensors under ``drafter.`` with ``drafter.layers.{i}.linear.*`` and
-                   ``drafter.lm_head.weight``; config ``redrafter_num_layers``,
-                   ``redrafter_hidden_size``, ``redrafter_exit_dim``, ``redrafter_is_rnn`` and
-                   ``vocab_size``. The base model's tensors (``transformer.*``, ``lm_head.weight``)
-                   come from TensorRT-LLM's own converter and are skipped when reading.
+  trtllm           the drafter's part of a TensorRT-LLM ReDrafter checkpoint:
+                   ``rank0.safetensors`` (TensorRT-LLM's name for tensor-parallel rank 0) with
+                   the same tensors under ``drafter.`` (``drafter.layers.{i}.linear.*``,
+                   ``drafter.lm_head.weight``, ...); config ``architecture``, ``dtype``,
+                   ``vocab_size``, ``redrafter_num_layers``, ``redrafter_hidden_size``,
+                   ``redrafter_exit_dim``, ``redrafter_is_rnn``. NOT written: the base model's
+                   tensors and config (``transformer.*``, ``lm_head.weight``) and the engine's
+                   build fields (``redrafter_num_beams``, ``redrafter_draft_len_per_beam``,
+                   ``redrafter_greedy_search``). A whole checkpoint comes from TensorRT-LLM's own
+                   ``examples/redrafter/convert_checkpoint.py``, which reads the reference layout
+                   and an HF base model (README "Export and MLX"). Reading a full TensorRT-LLM
+                   checkpoint skips the base model's tensors.
 
 Some reference-trained checkpoints name the head ``lm_heads.{i}`` / ``input_projs`` or, saved
 from a bare ``Sequential``, ``0.{i}``; reading detects those layouts from the tensor names. Every

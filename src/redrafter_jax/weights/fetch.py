@@ -21,10 +21,12 @@ import sys
 import tempfile
 import zipfile
 
+from redrafter_jax.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class FetchError(RuntimeError):
+class FetchError(UserError, RuntimeError):
   """A model could not be downloaded or extracted."""
 
 

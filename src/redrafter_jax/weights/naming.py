@@ -14,8 +14,10 @@ import dataclasses
 import re
 from typing import Iterable
 
+from redrafter_jax.errors import UserError
 
-class WeightsError(ValueError):
+
+class WeightsError(UserError, ValueError):
   """A checkpoint is missing tensors, has unexpected ones, or has wrong shapes."""
 
 

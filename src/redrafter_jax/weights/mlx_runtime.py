@@ -3,19 +3,19 @@
 This is the Apple-silicon path for a drafter trained here: ``redrafter-jax export --format mlx``
 writes the reference layout, and this module loads it exactly as the reference's MLX code does
 (``load_weights`` with ``strict=True``: the key set must match) and drafts with the same beam
-search as ``redrafter_jax.beam_search`` (DESIGN §5):
+search as ``redrafter_jax.inference.beam_search`` (DESIGN §5):
 
   * beam scores start at ``[0, -5e4, ..., -5e4]`` so step 1 grows W distinct children of beam 0;
   * each step takes the joint top-W over W x V of (beam score + token log-prob), no length
     normalisation;
-  * ``beams_BWL`` holds g0 in column 0 (L counts g0: L - 1 drafted tokens), ``logp_BWL1`` the
+  * ``beams_BWL`` holds g0 in column 0 (L counts g0: L - 1 drafted tokens), ``logp_BWJ`` the
     drafter's log-prob of each drafted token along its beam, ``score_BW`` the beam scores.
 
 Ties in the top-W are broken arbitrarily (MLX's partition), unlike ``lax.top_k``'s lowest index.
 ``mlx`` is imported inside functions, so the package imports without it (``pip install
 redrafter_jax[mlx]``; ``mlx[cpu]`` on Linux). Smoke run::
 
-  python -m redrafter_jax.export_mlx --drafter DIR [--llm smollm2-135m --prompt "Hi"]
+  python -m redrafter_jax.weights.mlx_runtime --drafter DIR [--llm smollm2-135m --prompt "Hi"]
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ class MLXBeamOutput:
   """Beam search result as ``mx.array``s (same fields as ``beam_search.BeamOutput``)."""
 
   beams_BWL: object  # int32, g0 in column 0
-  logp_BWL1: object  # float32, log-prob of each drafted token along its beam
-  score_BW: object  # float32, beam scores (sum of logp_BWL1, no length normalisation)
+  logp_BWJ: object  # float32, log-prob of each drafted token along its beam
+  score_BW: object  # float32, beam scores (sum of logp_BWJ, no length normalisation)
 
 
 def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
@@ -191,12 +191,12 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
   s_BWD = drafter.init_state(h_BWD)
   for _ in range(L - 1):
     logp_BWV, s_BWD = drafter.step(h_BWD, s_BWD, mx.take(embed_VD, beams_BWl[..., -1], axis=0))
-    total_BX = (score_BW[..., None] + logp_BWV).reshape(B, W * V)
+    total_BU = (score_BW[..., None] + logp_BWV).reshape(B, W * V)
     # Top-W of W*V, sorted best first (as lax.top_k returns them).
-    top_BW = mx.argpartition(-total_BX, kth=W - 1, axis=-1)[:, :W]
-    order_BW = mx.argsort(-mx.take_along_axis(total_BX, top_BW, axis=-1), axis=-1)
+    top_BW = mx.argpartition(-total_BU, kth=W - 1, axis=-1)[:, :W]
+    order_BW = mx.argsort(-mx.take_along_axis(total_BU, top_BW, axis=-1), axis=-1)
     top_BW = mx.take_along_axis(top_BW, order_BW, axis=-1)
-    score_BW = mx.take_along_axis(total_BX, top_BW, axis=-1)
+    score_BW = mx.take_along_axis(total_BU, top_BW, axis=-1)
     parent_BW1 = (top_BW // V)[..., None].astype(mx.int32)
     token_BW1 = (top_BW % V)[..., None].astype(mx.int32)
     chosen_BW1 = mx.take_along_axis(logp_BWV.reshape(B, W * V), top_BW, axis=-1)[..., None]
@@ -206,7 +206,7 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
                               axis=-1)
     s_BWD = mx.take_along_axis(s_BWD, parent_BW1, axis=1)
   mx.eval(beams_BWl, logp_BWl, score_BW)
-  return MLXBeamOutput(beams_BWL=beams_BWl, logp_BWL1=logp_BWl, score_BW=score_BW)
+  return MLXBeamOutput(beams_BWL=beams_BWl, logp_BWJ=logp_BWl, score_BW=score_BW)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,8 +217,8 @@ def _llm_inputs(source: str, prompt: str):
   """Embedding table, last hidden state, g0 and the tokenizer from a base LLM run in JAX."""
   import jax.numpy as jnp
 
-  from redrafter_jax import kv_cache as kvc
-  from redrafter_jax import tokenizer as toks
+  from redrafter_jax.models import kv_cache as kvc
+  from redrafter_jax.weights import tokenizer as toks
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 
   model, _ = load_llama(source)
@@ -234,7 +234,7 @@ def _llm_inputs(source: str, prompt: str):
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m redrafter_jax.export_mlx",
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.weights.mlx_runtime",
                               description="Load an exported drafter in MLX and draft beams.")
   p.add_argument("--drafter", required=True, help="folder written by export --format mlx")
   p.add_argument("--llm", help="base model (name, GGUF or HF folder) for the embedding table and "

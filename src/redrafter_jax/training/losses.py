@@ -84,10 +84,10 @@ def _chunk_sums(drafter, soft, h_BPD, prev_emb_BPnD, targets_BPn, weights_BPn, c
   return ce_n, top1_n, top5_n
 
 
-def restricted_targets(targets_BTn, vocab_ids_K, vocab_size: int):
+def restricted_targets(targets_BTn, vocab_ids_R, vocab_size: int):
   """Output-row index of each target under a restricted vocabulary, and whether it is in it."""
-  K = vocab_ids_K.shape[0]
-  row_of_V = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_K].set(jnp.arange(K))
+  R = vocab_ids_R.shape[0]
+  row_of_V = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_R].set(jnp.arange(R))
   rows_BTn = row_of_V[targets_BTn]
   return jnp.maximum(rows_BTn, 0), rows_BTn >= 0
 
@@ -95,7 +95,7 @@ def restricted_targets(targets_BTn, vocab_ids_K, vocab_size: int):
 def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BTD: jax.Array,
                  embedding_VD: jax.Array, tokens_BT: jax.Array, loss_mask_BT: jax.Array,
                  segment_ids_BT: jax.Array, *, num_steps: int, chunk: int = 64,
-                 vocab_ids_K: jax.Array | None = None, teacher_out_VD: jax.Array | None = None):
+                 vocab_ids_R: jax.Array | None = None, teacher_out_VD: jax.Array | None = None):
   """``(loss, metrics)`` for a batch; differentiable in ``drafter_params`` only.
 
   ``drafter_of(params)`` builds the drafter from its parameters (e.g. ``nnx.merge`` with the
@@ -105,13 +105,13 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   ``top5_n`` (accuracies), ``count_n`` (targets), ``coverage_n`` (share of targets the drafter's
   vocabulary holds).
 
-  ``vocab_ids_K``: the drafter scores only these tokens (``restrict_vocab``; output row k is
-  token ``vocab_ids_K[k]``). Cross-entropy is then over the K tokens and averages over the
-  targets among them; accuracies still count every target (one outside the K is a miss).
+  ``vocab_ids_R``: the drafter scores only these tokens (``restrict_vocab``; output row r is
+  token ``vocab_ids_R[r]``). Cross-entropy is then over the R tokens and averages over the
+  targets among them; accuracies still count every target (one outside the R is a miss).
 
   ``teacher_out_VD``: the LLM's output projection ``[V, D]``; given, the cross-entropy is
-  against the LLM's distribution (soft targets, see the module docstring; over the K tokens
-  when ``vocab_ids_K`` is given) and averages over every counted target. Accuracies are
+  against the LLM's distribution (soft targets, see the module docstring; over the R tokens
+  when ``vocab_ids_R`` is given) and averages over every counted target. Accuracies are
   unchanged (against the data tokens).
   """
   n = num_steps
@@ -128,16 +128,16 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   teacher_p_BTnV = jnp.zeros((B, T, n, 0), jnp.float32)
   if soft:
     out_VD = jax.lax.stop_gradient(teacher_out_VD)
-    if vocab_ids_K is not None:
-      out_VD = jnp.take(out_VD, vocab_ids_K, axis=0)
+    if vocab_ids_R is not None:
+      out_VD = jnp.take(out_VD, vocab_ids_R, axis=0)
     # The LLM's distribution at each position, once ([B, T, V]: one matmul, not n), then step
     # i+1's (token t+i+2) is the one predicted from the hidden state at t+i+1. The window holds
     # [B, T, n, V] floats (400 MB at B=8, T=384, n=4, V=8192).
     teacher_p_BTV = jax.nn.softmax(
         jnp.einsum("btd,vd->btv", hidden_BTD, out_VD, preferred_element_type=jnp.float32), -1)
     teacher_p_BTnV = future_window(teacher_p_BTV, 1, n)
-  if vocab_ids_K is not None:
-    targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_K,
+  if vocab_ids_R is not None:
+    targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_R,
                                                    embedding_VD.shape[0])
     weights_BTn = weights_BTn * in_vocab_BTn
   # Hard targets outside the drafter's vocabulary have no cross-entropy; soft ones always do.

@@ -32,14 +32,14 @@ import optax
 from flax import nnx, struct
 from tqdm.auto import tqdm
 
-from redrafter_jax import data as data_lib
-from redrafter_jax import losses
 from redrafter_jax import sharding as sh
-from redrafter_jax.checkpoint import Checkpointer, abstract_like
 from redrafter_jax.config import ConfigError, DrafterConfig, Preset
-from redrafter_jax.distill import load_teacher
 from redrafter_jax.models.drafter import (Drafter, TokenRanking, init_head_from_llm,
                                           restrict_vocab)
+from redrafter_jax.training import data as data_lib
+from redrafter_jax.training import losses
+from redrafter_jax.training.checkpoint import Checkpointer, abstract_like
+from redrafter_jax.weights.base_model import load_base_model
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
   return adamw
 
 
-def _batch_loss(llm_graphdef, drafter_of, vocab_ids_K, num_steps, chunk, soft_targets, llm_state,
+def _batch_loss(llm_graphdef, drafter_of, vocab_ids_R, num_steps, chunk, soft_targets, llm_state,
                 batch):
   """``params -> (loss, metrics)`` on ``batch``, the frozen LLM's part computed once."""
   llm = nnx.merge(llm_graphdef, llm_state)
@@ -96,7 +96,7 @@ def _batch_loss(llm_graphdef, drafter_of, vocab_ids_K, num_steps, chunk, soft_ta
   def loss_fn(params):
     return losses.distill_loss(drafter_of, params, hidden_BTD, embedding_VD, tokens_BT,
                                batch["loss_mask"], segments_BT, num_steps=num_steps, chunk=chunk,
-                               vocab_ids_K=vocab_ids_K, teacher_out_VD=teacher_out_VD)
+                               vocab_ids_R=vocab_ids_R, teacher_out_VD=teacher_out_VD)
 
   return loss_fn
 
@@ -185,7 +185,7 @@ def build_drafter(preset: Preset, llm_cfg) -> Drafter:
 def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
   """The LLM's graph, its state placed on ``mesh`` (tensor-parallel rules), its config and its
   output projection ``[V, D]`` on the host (only when ``train.head_init`` is "llm")."""
-  llm, llm_cfg = load_teacher(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
+  llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
   out_VD = None
   if preset.train.head_init == "llm" and not preset.train.init_drafter:
     out_VD = np.asarray(llm.output_matrix(), np.float32)
@@ -198,7 +198,7 @@ def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
 
 
 def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
-  """``(merge, drafter_of, params, vocab_ids_K)``: params (pure dict) -> full drafter, -> the
+  """``(merge, drafter_of, params, vocab_ids_R)``: params (pure dict) -> full drafter, -> the
   drafter the loss trains (vocabulary-restricted with ``vocab_limit``), initial params."""
   cfg = preset.train
   drafter = build_drafter(preset, llm_cfg)
@@ -206,25 +206,25 @@ def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
   # with ``vocab_limit``, picks the tokens the head trains on.
   counts = data_lib.token_counts(cfg.data, llm_cfg.vocab_size, holdout=cfg.eval_shards)
   drafter.token_ranking = TokenRanking(jnp.asarray(np.argsort(-counts, kind="stable"), jnp.int32))
-  vocab_ids_K = None
+  vocab_ids_R = None
   if 0 < cfg.vocab_limit < llm_cfg.vocab_size:
-    vocab_ids_K = drafter.token_ranking[...][:cfg.vocab_limit]
+    vocab_ids_R = drafter.token_ranking[...][:cfg.vocab_limit]
   if out_VD is not None:
-    init_head_from_llm(drafter, out_VD, vocab_ids_K)
-  if vocab_ids_K is not None:
+    init_head_from_llm(drafter, out_VD, vocab_ids_R)
+  if vocab_ids_R is not None:
     log.info("the head trains on the %d most frequent tokens: %.2f%% of response tokens",
-             cfg.vocab_limit, 100 * counts[np.asarray(vocab_ids_K)].sum() / max(counts.sum(), 1))
+             cfg.vocab_limit, 100 * counts[np.asarray(vocab_ids_R)].sum() / max(counts.sum(), 1))
     # Rows of tokens that never train get logit 0 rather than a random one, so a drafter
     # decoded without ``restrict_vocab`` does not propose them at random.
     head = drafter.lm_head[-1]
-    keep_V = jnp.zeros((llm_cfg.vocab_size,), bool).at[vocab_ids_K].set(True)
+    keep_V = jnp.zeros((llm_cfg.vocab_size,), bool).at[vocab_ids_R].set(True)
     head.kernel.set_value(jnp.where(keep_V[None, :], head.kernel[...], 0))
   # Only nnx.Params train; the rest (the token ranking) is fixed.
   graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
   merge = lambda p: nnx.merge(graphdef, p, rest)
-  drafter_of = merge if vocab_ids_K is None else (
+  drafter_of = merge if vocab_ids_R is None else (
       lambda p: restrict_vocab(merge(p), cfg.vocab_limit))
-  return merge, drafter_of, nnx.to_pure_dict(params), vocab_ids_K
+  return merge, drafter_of, nnx.to_pure_dict(params), vocab_ids_R
 
 
 class _Meter:
@@ -266,7 +266,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   mesh = sh.make_mesh(cfg.mesh_data, cfg.mesh_model)
   rows = sh.process_rows(mesh, cfg.batch_size)
   llm_graphdef, llm_state, llm_shardings, llm_cfg, out_VD = _frozen_llm(preset, mesh, data_vocab)
-  merge, drafter_of, params, vocab_ids_K = _trainable_drafter(preset, llm_cfg, out_VD)
+  merge, drafter_of, params, vocab_ids_R = _trainable_drafter(preset, llm_cfg, out_VD)
   tx, schedule = make_optimizer(cfg), make_schedule(cfg)
   repl = sh.replicated(mesh)
   state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
@@ -286,7 +286,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     state = TrainState(**ckpt.restore(start, abstract, iterator))
     log.info("resuming at step %d of %d", start, cfg.num_steps)
 
-  loss_spec = (llm_graphdef, drafter_of, vocab_ids_K, cfg.num_draft_steps, cfg.loss_chunk,
+  loss_spec = (llm_graphdef, drafter_of, vocab_ids_R, cfg.num_draft_steps, cfg.loss_chunk,
                cfg.soft_targets)
   step_fn = jax.jit(
       functools.partial(_train_step, loss_spec, tx, schedule),

@@ -2,6 +2,7 @@
 search equal to JAX's ``beam_search`` and to a NumPy reference of DESIGN §5."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,10 +12,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import mlx.core as mx
-from redrafter_jax import export_mlx
-from redrafter_jax.beam_search import beam_search
 from redrafter_jax.config import DrafterConfig
+from redrafter_jax.inference.beam_search import beam_search
 from redrafter_jax.models.drafter import abstract_drafter
+from redrafter_jax.weights import mlx_runtime
 from redrafter_jax.weights.drafter_io import load_drafter, save_drafter
 from redrafter_jax.weights.naming import WeightsError
 from redrafter_jax.weights.params import flat_params, load_into
@@ -57,7 +58,7 @@ def _np(x):
 
 def test_loads_strictly_with_exact_key_set(tmp_path):
   drafter, folder = _export(tmp_path, "proj-rnn")
-  m = export_mlx.load_mlx_drafter(folder)
+  m = mlx_runtime.load_mlx_drafter(folder)
   from mlx.utils import tree_flatten
 
   params = dict(tree_flatten(m.parameters()))
@@ -69,43 +70,43 @@ def test_loads_strictly_with_exact_key_set(tmp_path):
   extra = dict(stored, **{"lm_head.3.weight": stored["lm_head.2.weight"]})
   save_file(extra, str(folder / "model.safetensors"))
   with pytest.raises(WeightsError, match=r"lm_head\.3\.weight"):
-    export_mlx.load_mlx_drafter(folder)
+    mlx_runtime.load_mlx_drafter(folder)
 
   missing = {k: v for k, v in stored.items() if k != "rnn_w.weight"}
   save_file(missing, str(folder / "model.safetensors"))
   with pytest.raises(WeightsError, match=r"[Mm]issing.*rnn_w\.weight"):
-    export_mlx.load_mlx_drafter(folder)
+    mlx_runtime.load_mlx_drafter(folder)
 
   wrong = dict(stored, **{"rnn_u.weight": np.zeros((D, D + 1), np.float32)})
   save_file(wrong, str(folder / "model.safetensors"))
   with pytest.raises(WeightsError, match=r"rnn_u\.weight"):
-    export_mlx.load_mlx_drafter(folder)
+    mlx_runtime.load_mlx_drafter(folder)
 
 
 def test_refuses_other_formats_and_missing_files(tmp_path):
   drafter = random_drafter(CONFIGS["proj-rnn"])
   trt = save_drafter(drafter, tmp_path / "trt", format="trtllm")
   with pytest.raises(WeightsError, match="trtllm.*--format mlx"):
-    export_mlx.load_mlx_drafter(trt)
+    mlx_runtime.load_mlx_drafter(trt)
   with pytest.raises(WeightsError, match="config.json"):
-    export_mlx.load_mlx_drafter(tmp_path / "nowhere")
+    mlx_runtime.load_mlx_drafter(tmp_path / "nowhere")
   _, folder = _export(tmp_path, "proj-rnn")
   (folder / "model.safetensors").unlink()
   with pytest.raises(WeightsError, match="model.safetensors"):
-    export_mlx.load_mlx_drafter(folder)
+    mlx_runtime.load_mlx_drafter(folder)
 
 
 @pytest.mark.parametrize("dtype, mx_dtype", [("float16", "float16"), ("bfloat16", "bfloat16")])
 def test_low_precision_exports_load_in_their_dtype(tmp_path, dtype, mx_dtype):
   drafter, folder = _export(tmp_path, "proj-rnn", dtype=dtype)
-  m = export_mlx.load_mlx_drafter(folder)
+  m = mlx_runtime.load_mlx_drafter(folder)
   assert m.dtype == getattr(mx, mx_dtype)
   jdtype = getattr(jnp, dtype)
   want = np.asarray(flat_params(drafter)["lm_head.2.kernel"].astype(jdtype)).T
   np.testing.assert_array_equal(_np(m.lm_head[-1].weight.astype(mx.float32)),
                                 want.astype(np.float32))
   # Casting on load gives float32 parameters with the same (rounded) values.
-  m32 = export_mlx.load_mlx_drafter(folder, dtype="fp32")
+  m32 = mlx_runtime.load_mlx_drafter(folder, dtype="fp32")
   assert m32.dtype == mx.float32
   np.testing.assert_array_equal(_np(m32.lm_head[-1].weight), want.astype(np.float32))
   rng = np.random.default_rng(0)
@@ -128,7 +129,7 @@ def test_low_precision_exports_load_in_their_dtype(tmp_path, dtype, mx_dtype):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_log_probs_and_step_match_jax(tmp_path, name):
   drafter, folder = _export(tmp_path, name, seed=1)
-  m = export_mlx.load_mlx_drafter(folder)
+  m = mlx_runtime.load_mlx_drafter(folder)
   rng = np.random.default_rng(2)
   h, s, e = (rng.normal(size=(2, 3, D)).astype(np.float32) for _ in range(3))
   got = _np(m.log_probs(mx.array(h), mx.array(s)))
@@ -178,15 +179,15 @@ def numpy_beam_search(drafter, embed_VD, h_BD, g0_B, W, L):
                                         ("topk", 4, 3)])
 def test_beam_search_matches_jax_and_numpy_reference(tmp_path, name, W, L):
   drafter, folder = _export(tmp_path, name, seed=3)
-  m = export_mlx.load_mlx_drafter(folder)
+  m = mlx_runtime.load_mlx_drafter(folder)
   rng = np.random.default_rng(4)
   embed_VD = rng.normal(size=(V, D)).astype(np.float32)
   h_BD = rng.normal(size=(3, D)).astype(np.float32)
   g0_B = np.array([0, 5, 36], np.int32)
   ref_beams, ref_logp, ref_score, gap = numpy_beam_search(drafter, embed_VD, h_BD, g0_B, W, L)
   assert gap > 1e-3, f"test inputs have near-tied beam scores (gap {gap})"
-  out = export_mlx.beam_search(m, embed_VD, h_BD, g0_B, beam_width=W, beam_length=L)
-  beams, logp, score = _np(out.beams_BWL), _np(out.logp_BWL1), _np(out.score_BW)
+  out = mlx_runtime.beam_search(m, embed_VD, h_BD, g0_B, beam_width=W, beam_length=L)
+  beams, logp, score = _np(out.beams_BWL), _np(out.logp_BWJ), _np(out.score_BW)
   assert beams.shape == (3, W, L) and logp.shape == (3, W, L - 1) and score.shape == (3, W)
   np.testing.assert_array_equal(beams[:, :, 0], np.repeat(g0_B[:, None], W, 1))
   np.testing.assert_array_equal(beams, ref_beams)
@@ -199,18 +200,18 @@ def test_beam_search_matches_jax_and_numpy_reference(tmp_path, name, W, L):
   jax_out = beam_search(drafter, jnp.asarray(embed_VD), jnp.asarray(h_BD), jnp.asarray(g0_B),
                         beam_width=W, beam_length=L)
   np.testing.assert_array_equal(beams, np.asarray(jax_out.beams_BWL))
-  np.testing.assert_allclose(logp, np.asarray(jax_out.logp_BWL1), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(logp, np.asarray(jax_out.logp_BWJ), atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(score, np.asarray(jax_out.score_BW), atol=1e-4, rtol=1e-5)
 
 
 def test_beam_search_rejects_mismatched_inputs(tmp_path):
   _, folder = _export(tmp_path, "proj-rnn")
-  m = export_mlx.load_mlx_drafter(folder)
+  m = mlx_runtime.load_mlx_drafter(folder)
   with pytest.raises(ValueError, match="vocab_size=37"):
-    export_mlx.beam_search(m, np.zeros((V + 1, D), np.float32), np.zeros((1, D), np.float32),
+    mlx_runtime.beam_search(m, np.zeros((V + 1, D), np.float32), np.zeros((1, D), np.float32),
                            np.zeros((1,), np.int32), beam_width=2, beam_length=3)
   with pytest.raises(ValueError, match="beam_length >= 2"):
-    export_mlx.beam_search(m, np.zeros((V, D), np.float32), np.zeros((1, D), np.float32),
+    mlx_runtime.beam_search(m, np.zeros((V, D), np.float32), np.zeros((1, D), np.float32),
                            np.zeros((1,), np.int32), beam_width=2, beam_length=1)
 
 
@@ -220,21 +221,23 @@ def test_beam_search_rejects_mismatched_inputs(tmp_path):
 
 def test_smoke_entry_point(tmp_path, capsys):
   _, folder = _export(tmp_path, "proj-rnn")
-  assert export_mlx.main(["--drafter", str(folder), "--beam-width", "3", "--beam-length", "4"]) == 0
+  argv = ["--drafter", str(folder), "--beam-width", "3", "--beam-length", "4"]
+  assert mlx_runtime.main(argv) == 0
   out = capsys.readouterr().out
   assert "drafted 3 beams x 3 tokens" in out and out.count("beam ") >= 3
   trt = save_drafter(random_drafter(CONFIGS["proj-rnn"]), tmp_path / "trt", format="trtllm")
-  assert export_mlx.main(["--drafter", str(trt)]) == 2
+  assert mlx_runtime.main(["--drafter", str(trt)]) == 2
   assert "error: " in capsys.readouterr().err
 
 
 def test_package_imports_without_mlx():
   code = ("import sys; sys.modules['mlx'] = None\n"
-          "import redrafter_jax.export_mlx as e, redrafter_jax.weights.drafter_io\n"
+          "import redrafter_jax.weights.mlx_runtime as e, redrafter_jax.weights.drafter_io\n"
           "try:\n  e.load_mlx_drafter('.')\nexcept ImportError as err:\n"
           "  assert 'redrafter_jax[mlx]' in str(err), err\n  print('ok')\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+                        env={"JAX_PLATFORMS": "cpu", "PATH": "",
+                             **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}})
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.strip() == "ok"
 

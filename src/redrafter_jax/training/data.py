@@ -1,6 +1,6 @@
 """Distillation data: the on-disk shard format and the grain input pipeline for training.
 
-On disk (written by ``redrafter-jax distill-data``, see ``distill.py``) a data folder holds
+On disk (written by ``redrafter-jax distill-data``, see ``training/distill.py``) a data folder holds
 ``manifest.json`` and shards ``shard-NNNNN.npz``. A shard is a compressed NumPy archive of its
 records, stored compactly so teacher data can be committed and built on in a later session:
 
@@ -38,12 +38,14 @@ from typing import Any, Iterator, Mapping, Sequence
 import grain
 import numpy as np
 
+from redrafter_jax.errors import UserError
+
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".npz"
 FIELDS = ("tokens", "loss_mask", "segment_ids", "positions")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """A data folder, prompts file or record is missing or malformed."""
 
 

@@ -27,10 +27,10 @@ LOG_ZERO = -5e4  # the reference's log(0) for the initial non-first beams
 @struct.dataclass
 class BeamOutput:
   beams_BWL: jax.Array  # int32, g0 in column 0
-  logp_BWL1: jax.Array  # float32, drafter log-prob of each drafted token along its beam
+  logp_BWJ: jax.Array  # float32, drafter log-prob of each drafted token along its beam
   score_BW: jax.Array  # float32, sum of logp along the beam (beams are sorted by it, best first)
   # Drafter distributions along the beams (only when asked for; over the draft vocabulary).
-  full_logp_BWL1V: jax.Array | None = None
+  full_logp_BWJV: jax.Array | None = None
 
 
 def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: jax.Array, *,
@@ -42,19 +42,19 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
   h_BWD = jnp.broadcast_to(h_BD[:, None, :], (B, W, D))
   score_BW = jnp.tile(jnp.asarray([0.0] + [LOG_ZERO] * (W - 1), jnp.float32), (B, 1))
   beams_BWL = jnp.zeros((B, W, L), jnp.int32).at[:, :, 0].set(g0_B[:, None])
-  logp_BWL1 = jnp.zeros((B, W, L - 1), jnp.float32)
-  full_BWL1V = jnp.zeros((B, W, L - 1, V), jnp.float32) if return_full else None
+  logp_BWJ = jnp.zeros((B, W, L - 1), jnp.float32)
+  full_BWJV = jnp.zeros((B, W, L - 1, V), jnp.float32) if return_full else None
   state_BWD = drafter.init_state(h_BWD)
   gather = jax.vmap(lambda x, idx: x[idx])  # per row: x[b][parent_W]
 
   def step(carry, t):
-    beams_BWL, score_BW, logp_BWL1, full_BWL1V, state_BWD = carry
+    beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD = carry
     prev_BW = jax.lax.dynamic_index_in_dim(beams_BWL, t, axis=2, keepdims=False)
     logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW])
     # Per-beam top-W, then the joint top-W over the W*W survivors.
     tok_logp_BWW, tok_BWW = jax.lax.top_k(logp_BWV, W)
-    cand_BX = (score_BW[:, :, None] + tok_logp_BWW).reshape(B, W * W)
-    score_BW, pick_BW = jax.lax.top_k(cand_BX, W)
+    cand_BZ = (score_BW[:, :, None] + tok_logp_BWW).reshape(B, W * W)
+    score_BW, pick_BW = jax.lax.top_k(cand_BZ, W)
     parent_BW = pick_BW // W
     token_BW = jnp.take_along_axis(tok_BWW.reshape(B, W * W), pick_BW, axis=1)
     if vocab_ids is not None:  # restricted draft vocabulary: output row -> token id
@@ -62,16 +62,16 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
     token_logp_BW = jnp.take_along_axis(tok_logp_BWW.reshape(B, W * W), pick_BW, axis=1)
     beams_BWL = gather(beams_BWL, parent_BW)
     beams_BWL = jax.lax.dynamic_update_index_in_dim(beams_BWL, token_BW, t + 1, axis=2)
-    logp_BWL1 = gather(logp_BWL1, parent_BW)
-    logp_BWL1 = jax.lax.dynamic_update_index_in_dim(logp_BWL1, token_logp_BW, t, axis=2)
-    if full_BWL1V is not None:
-      full_BWL1V = gather(full_BWL1V, parent_BW)
-      full_BWL1V = jax.lax.dynamic_update_index_in_dim(full_BWL1V, gather(logp_BWV, parent_BW),
+    logp_BWJ = gather(logp_BWJ, parent_BW)
+    logp_BWJ = jax.lax.dynamic_update_index_in_dim(logp_BWJ, token_logp_BW, t, axis=2)
+    if full_BWJV is not None:
+      full_BWJV = gather(full_BWJV, parent_BW)
+      full_BWJV = jax.lax.dynamic_update_index_in_dim(full_BWJV, gather(logp_BWV, parent_BW),
                                                        t, axis=2)
     state_BWD = gather(state_BWD, parent_BW)
-    return (beams_BWL, score_BW, logp_BWL1, full_BWL1V, state_BWD), None
+    return (beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD), None
 
-  carry = (beams_BWL, score_BW, logp_BWL1, full_BWL1V, state_BWD)
-  (beams_BWL, score_BW, logp_BWL1, full_BWL1V, _), _ = jax.lax.scan(
+  carry = (beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD)
+  (beams_BWL, score_BW, logp_BWJ, full_BWJV, _), _ = jax.lax.scan(
       step, carry, jnp.arange(L - 1))
-  return BeamOutput(beams_BWL, logp_BWL1, score_BW, full_BWL1V)
+  return BeamOutput(beams_BWL, logp_BWJ, score_BW, full_BWJV)

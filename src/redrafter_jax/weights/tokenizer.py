@@ -65,3 +65,31 @@ def encode_messages(tok, messages: list[dict]) -> list[int]:
   if hasattr(out, "keys"):
     out = out["input_ids"]
   return [int(t) for t in out]
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens 3..258 (0 pad, 1 turn start, 2 turn end): a tokenizer for random
+  test models, with the slice of the ``transformers`` interface ``tokenizer.py`` uses."""
+
+  pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+  vocab_size = 259
+
+  def get_vocab(self) -> dict[str, int]:
+    return {"<pad>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+
+  def _bytes(self, text: str) -> list[int]:
+    return [3 + b for b in text.encode("utf-8")]
+
+  def __call__(self, text: str, add_special_tokens: bool = True):
+    return {"input_ids": self._bytes(text)}
+
+  def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    ids = []
+    for m in messages:
+      ids += [1] + self._bytes(f"{m['role']}\n{m['content']}") + [2]
+    if add_generation_prompt:
+      ids += [1] + self._bytes("assistant\n")
+    return ids
+
+  def decode(self, ids) -> str:
+    return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")

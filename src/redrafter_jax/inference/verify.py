@@ -13,6 +13,8 @@
 
 ``greedy``: the argmax walk, which every rule above reduces to when all rows are greedy
   (temperature 0); one argmax per tree slot instead of a distribution per depth and random draws.
+  Decoding takes it for every all-greedy batch, and always under ``acceptance="greedy"``, which
+  therefore refuses a temperature above 0 (``DecodeConfig``, ``ReDrafter``, the server).
 
 All rules return a ``Verdict`` with static shapes; ``A`` = beam length L.
 """
@@ -23,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from redrafter_jax import sampling
-from redrafter_jax.beam_search import BeamOutput
-from redrafter_jax.tree import Tree, unpack
+from redrafter_jax.inference import sampling
+from redrafter_jax.inference.beam_search import BeamOutput
+from redrafter_jax.inference.tree import Tree, unpack
 
 _TINY = 1e-30
 
@@ -131,11 +133,11 @@ def _gather_rows_v(x_BNV, slot_B):
   return jnp.take_along_axis(x_BNV, slot_B[:, None, None], axis=1)[:, 0]
 
 
-def _longest_beam(accept_BWL1, beam_len_BW):
+def _longest_beam(accept_BWJ, beam_len_BW):
   """Per beam, the leading accepted drafted tokens (within the budget); pick the longest."""
-  L1 = accept_BWL1.shape[2]
-  in_budget_BWL1 = jnp.arange(1, L1 + 1)[None, None, :] < beam_len_BW[:, :, None]
-  run_BW = jnp.cumprod(accept_BWL1 & in_budget_BWL1, axis=2).sum(axis=2)
+  J = accept_BWJ.shape[2]
+  in_budget_BWJ = jnp.arange(1, J + 1)[None, None, :] < beam_len_BW[:, :, None]
+  run_BW = jnp.cumprod(accept_BWJ & in_budget_BWJ, axis=2).sum(axis=2)
   best_B = jnp.argmax(run_BW, axis=1)
   return best_B, _gather_rows(run_BW, best_B)
 
@@ -157,10 +159,10 @@ def verify_typical(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *, ep
   threshold_BN = jnp.minimum(eps, delta * jnp.exp(-entropy_BN))
   parent_logp_BWLV = unpack(tree, logp_BNV)  # P at each beam position, predicting the next
   beams_BWL = beams.beams_BWL
-  tok_logp_BWL1 = jnp.take_along_axis(parent_logp_BWLV[:, :, :-1], beams_BWL[:, :, 1:, None],
+  tok_logp_BWJ = jnp.take_along_axis(parent_logp_BWLV[:, :, :-1], beams_BWL[:, :, 1:, None],
                                       axis=-1)[..., 0]
-  accept_BWL1 = jnp.exp(tok_logp_BWL1) > unpack(tree, threshold_BN)[:, :, :-1]
-  best_B, num_B = _longest_beam(accept_BWL1, tree.beam_len_BW)
+  accept_BWJ = jnp.exp(tok_logp_BWJ) > unpack(tree, threshold_BN)[:, :, :-1]
+  best_B, num_B = _longest_beam(accept_BWJ, tree.beam_len_BW)
   rows = jnp.arange(beams_BWL.shape[0])
   end_B = jnp.minimum(tree.node_BWL[rows, best_B, num_B], tree.size - 1)
   next_B = sampling.sample(rng, _gather_rows_v(logp_BNV, end_B))
@@ -170,21 +172,21 @@ def verify_typical(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *, ep
 def verify_reference(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *,
                      filtered: bool) -> Verdict:
   """The reference's rule: per beam accept with min(1, P/Q), resample from relu(P - Q)."""
-  if beams.full_logp_BWL1V is None:
+  if beams.full_logp_BWJV is None:
     raise ValueError("the reference rule needs beam_search(..., return_full=True)")
   key_u, key_s = jax.random.split(rng)
   logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
   parent_logp_BWLV = unpack(tree, logp_BNV)
   beams_BWL = beams.beams_BWL
-  p_tok_BWL1 = jnp.take_along_axis(parent_logp_BWLV[:, :, :-1], beams_BWL[:, :, 1:, None],
+  p_tok_BWJ = jnp.take_along_axis(parent_logp_BWLV[:, :, :-1], beams_BWL[:, :, 1:, None],
                                    axis=-1)[..., 0]
-  u_BWL1 = jax.random.uniform(key_u, p_tok_BWL1.shape)
-  accept_BWL1 = u_BWL1 < jnp.exp(p_tok_BWL1 - beams.logp_BWL1)
-  best_B, num_B = _longest_beam(accept_BWL1, tree.beam_len_BW)
+  u_BWJ = jax.random.uniform(key_u, p_tok_BWJ.shape)
+  accept_BWJ = u_BWJ < jnp.exp(p_tok_BWJ - beams.logp_BWJ)
+  best_B, num_B = _longest_beam(accept_BWJ, tree.beam_len_BW)
   rows = jnp.arange(beams_BWL.shape[0])
-  L1 = beams_BWL.shape[2] - 1
+  J = beams_BWL.shape[2] - 1
   p_end_BV = jnp.exp(parent_logp_BWLV[rows, best_B, num_B])
-  q_BV = jnp.exp(beams.full_logp_BWL1V[rows, best_B, jnp.minimum(num_B, L1 - 1)])
+  q_BV = jnp.exp(beams.full_logp_BWJV[rows, best_B, jnp.minimum(num_B, J - 1)])
   whole_B = num_B >= tree.beam_len_BW[rows, best_B] - 1
   resid_BV = jnp.where(whole_B[:, None], p_end_BV, jax.nn.relu(p_end_BV - q_BV))
   # All-zero residual (P <= Q everywhere) cannot be sampled from; fall back to P.

@@ -66,20 +66,20 @@ def pack(beams_BWL: jax.Array, budget: int, prefix_logp_BWL: jax.Array | None = 
   # Best first; a stable sort over the (depth, beam)-flattened order breaks ties breadth-first.
   score_BWL = (jnp.zeros((B, W, L), jnp.float32) if prefix_logp_BWL is None
                else prefix_logp_BWL.astype(jnp.float32))
-  key_BX = jnp.where(unique_BWL, -score_BWL, jnp.inf).transpose(0, 2, 1).reshape(B, L * W)
-  order_BX = jnp.argsort(key_BX, axis=1, stable=True)
-  slot_of_BX = jnp.argsort(order_BX, axis=1).astype(jnp.int32)  # inverse permutation
+  key_BY = jnp.where(unique_BWL, -score_BWL, jnp.inf).transpose(0, 2, 1).reshape(B, L * W)
+  order_BY = jnp.argsort(key_BY, axis=1, stable=True)
+  slot_of_BY = jnp.argsort(order_BY, axis=1).astype(jnp.int32)  # inverse permutation
   num_unique_B = unique_BWL.sum(axis=(1, 2)).astype(jnp.int32)
-  unique_BX = unique_BWL.transpose(0, 2, 1).reshape(B, L * W)
-  kept_BX = unique_BX & (slot_of_BX < N)
+  unique_BY = unique_BWL.transpose(0, 2, 1).reshape(B, L * W)
+  kept_BY = unique_BY & (slot_of_BY < N)
   # Slot of every (beam, depth): the slot of its canonical node, or N when cut.
-  canon_slot_BLW = jnp.where(kept_BX, slot_of_BX, N).reshape(B, L, W)
+  canon_slot_BLW = jnp.where(kept_BY, slot_of_BY, N).reshape(B, L, W)
   node_BWL = jnp.take_along_axis(canon_slot_BLW, prefix_BWL.transpose(0, 2, 1), axis=2
                                  ).transpose(0, 2, 1)
   beam_len_BW = jnp.cumprod(node_BWL < N, axis=2).sum(axis=2).astype(jnp.int32)
 
   # Per slot: which (depth, beam) it holds.
-  take = order_BX[:, :N]
+  take = order_BY[:, :N]
   depth_BN = (take // W).astype(jnp.int32)
   beam_BN = (take % W).astype(jnp.int32)
   valid_BN = jnp.arange(N)[None, :] < jnp.minimum(num_unique_B, N)[:, None]

@@ -11,12 +11,7 @@ with its wall and CPU seconds and the machine that made it. A rerun with the sam
 skips the shards the manifest lists, so a killed job resumes where it stopped (losing at most
 the shard in progress); other settings are refused rather than mixed in.
 
-Base models: a known name (``smollm2-135m``), a GGUF/HF path, or ``random:<spec>`` — a randomly
-initialised Llama for tests, where ``<spec>`` is ``tiny`` or a JSON object of ``LlamaConfig``
-fields overriding ``tiny``'s, plus optional ``"seed"`` and ``"tokenizer"``: ``"bytes"`` (the
-default: UTF-8 bytes with a minimal chat template, needs no download, fits ``tiny``'s vocabulary
-of 512) or a model name/path whose tokenizer to use, e.g.
-``random:{"vocab_size": 49152, "tokenizer": "smollm2-135m"}``.
+The teacher itself is loaded by ``weights.base_model`` (any model spec, ``random:`` ones too).
 """
 
 from __future__ import annotations
@@ -30,112 +25,17 @@ import pathlib
 import time
 from typing import Any, Sequence
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
-from redrafter_jax import data as data_lib
-from redrafter_jax.config import ConfigError, LlamaConfig
-from redrafter_jax.data import DataError
+from redrafter_jax.config import ConfigError
+from redrafter_jax.inference.ar import generate
 from redrafter_jax.models.llama import Llama
+from redrafter_jax.training import data as data_lib
+from redrafter_jax.training.data import DataError
+from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
 log = logging.getLogger(__name__)
-
-RANDOM_PREFIX = "random:"
-RANDOM_MODELS = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                 num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
-                 max_position_embeddings=4096),
-}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-# ----------------------------------------------------------------------------- base model
-
-
-def _random_spec(spec: str) -> tuple[LlamaConfig, int, str]:
-  body = spec[len(RANDOM_PREFIX):].strip()
-  if body in RANDOM_MODELS:
-    fields: dict[str, Any] = {}
-  else:
-    try:
-      fields = json.loads(body)
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"model {spec!r}: after 'random:' expected one of {list(RANDOM_MODELS)} "
-                        f"or a JSON object of LlamaConfig fields ({e})") from e
-    if not isinstance(fields, dict):
-      raise ConfigError(f"model {spec!r}: the JSON after 'random:' must be an object")
-    body = "tiny"
-  fields = dict(fields)
-  seed = int(fields.pop("seed", 0))
-  tokenizer = str(fields.pop("tokenizer", "bytes"))
-  cfg = LlamaConfig.from_dict({**RANDOM_MODELS[body], **fields})
-  return cfg, seed, tokenizer
-
-
-def is_random(spec: str) -> bool:
-  return str(spec).startswith(RANDOM_PREFIX)
-
-
-def load_teacher(spec: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                 sharding=None) -> tuple[Llama, LlamaConfig]:
-  """The frozen base LLM for a model spec (known name, path, or ``random:<spec>``), with
-  activations in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``)."""
-  for name, value in (("dtype", dtype), ("param_dtype", param_dtype or dtype)):
-    if value not in DTYPES:
-      raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {value!r}")
-  kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype or dtype])
-  if is_random(spec):
-    cfg, seed, _ = _random_spec(spec)
-    return Llama(cfg, **kinds, rngs=nnx.Rngs(seed)), cfg
-  from redrafter_jax.weights.llama_weights import load_llama
-
-  return load_llama(spec, **kinds, sharding=sharding)
-
-
-class ByteTokenizer:
-  """UTF-8 bytes as tokens 3..258 (0 pad, 1 turn start, 2 turn end): a tokenizer for random
-  test models, with the slice of the ``transformers`` interface ``tokenizer.py`` uses."""
-
-  pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
-  vocab_size = 259
-
-  def get_vocab(self) -> dict[str, int]:
-    return {"<pad>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-
-  def _bytes(self, text: str) -> list[int]:
-    return [3 + b for b in text.encode("utf-8")]
-
-  def __call__(self, text: str, add_special_tokens: bool = True):
-    return {"input_ids": self._bytes(text)}
-
-  def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-    ids = []
-    for m in messages:
-      ids += [1] + self._bytes(f"{m['role']}\n{m['content']}") + [2]
-    if add_generation_prompt:
-      ids += [1] + self._bytes("assistant\n")
-    return ids
-
-  def decode(self, ids) -> str:
-    return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
-
-
-def load_teacher_tokenizer(spec: str):
-  from redrafter_jax.tokenizer import load_tokenizer
-  from redrafter_jax.weights.llama_weights import resolve_source
-
-  if is_random(spec):
-    cfg, _, name = _random_spec(spec)
-    if name == "bytes":
-      if cfg.vocab_size < ByteTokenizer.vocab_size:
-        raise ConfigError(f"model {spec!r}: the bytes tokenizer needs vocab_size >= "
-                          f"{ByteTokenizer.vocab_size}, got {cfg.vocab_size}")
-      return ByteTokenizer()
-    spec = name
-  return load_tokenizer(resolve_source(spec))
-
 
 # ----------------------------------------------------------------------------- prompts
 
@@ -262,9 +162,6 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
 
   ``max_shards`` stops after writing that many new shards (a time-boxed slice of a long job).
   """
-  from redrafter_jax.generate import generate
-  from redrafter_jax.tokenizer import encode, stop_token_ids
-
   if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
     raise ConfigError("batch_size, shard_size and max_new_tokens must be >= 1")
   prompts_path = pathlib.Path(prompts_path)

@@ -12,7 +12,7 @@ import json
 import pathlib
 
 SHIPPED_NAME = "shipped"
-CHECKPOINTS = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
+CHECKPOINTS = pathlib.Path(__file__).resolve().parents[3] / "checkpoints"
 SMOLLM2_DRAFTER = CHECKPOINTS / "smollm2-135m-drafter"
 
 

@@ -1,4 +1,4 @@
-"""Stand-ins for exercising the serving stack without real weights (tests, smoke runs).
+"""Test doubles for the serving stack: it runs without real weights or a real tokenizer.
 
 * ``word_tokenizer(V)``: a real ``transformers`` fast tokenizer whose tokens are whole words
   (``w0``, ``w1``, ...), with special tokens and a chat template: text equality is token
@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from redrafter_jax import kv_cache as kvc
-from redrafter_jax.beam_search import BeamOutput
+from redrafter_jax.inference.beam_search import BeamOutput
+from redrafter_jax.models import kv_cache as kvc
 
 SPECIALS = ("<pad>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
@@ -66,13 +66,13 @@ class SelfDrafter(nnx.Module):
       cache = kvc.advance(cache, jnp.ones((B,), jnp.int32))
       tok_B = jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32)
       true.append(tok_B)
-    true_BL1 = jnp.stack(true, axis=1)
+    true_BJ = jnp.stack(true, axis=1)
     e0_B = state.out.num_B % L + 1
     err_BW = jnp.maximum(1, e0_B[:, None] - jnp.arange(W)[None, :])
-    wrong_BWL1 = (true_BL1[:, None, :] + 1 + jnp.arange(W)[None, :, None]) % self.vocab_size
-    drafted_BWL1 = jnp.where(jnp.arange(1, L)[None, None, :] >= err_BW[:, :, None], wrong_BWL1,
-                             true_BL1[:, None, :])
+    wrong_BWJ = (true_BJ[:, None, :] + 1 + jnp.arange(W)[None, :, None]) % self.vocab_size
+    drafted_BWJ = jnp.where(jnp.arange(1, L)[None, None, :] >= err_BW[:, :, None], wrong_BWJ,
+                             true_BJ[:, None, :])
     beams_BWL = jnp.concatenate([jnp.broadcast_to(state.g0_B[:, None, None], (B, W, 1)),
-                                 drafted_BWL1], axis=2).astype(jnp.int32)
-    zeros_BWL1 = jnp.zeros((B, W, L - 1), jnp.float32)
-    return BeamOutput(beams_BWL=beams_BWL, logp_BWL1=zeros_BWL1, score_BW=zeros_BWL1.sum(-1))
+                                 drafted_BWJ], axis=2).astype(jnp.int32)
+    zeros_BWJ = jnp.zeros((B, W, L - 1), jnp.float32)
+    return BeamOutput(beams_BWL=beams_BWL, logp_BWJ=zeros_BWJ, score_BW=zeros_BWJ.sum(-1))

@@ -32,8 +32,8 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from redrafter_jax.config import ConfigError
-from redrafter_jax.data import DataError
 from redrafter_jax.models.llama import Llama
+from redrafter_jax.training.data import DataError
 
 CATEGORY = "self"
 MIN_CHARS = 10  # shorter requests are mostly fragments ("Hi", "?")
@@ -104,8 +104,8 @@ def write_self_prompts(llm: Llama, tokenizer, out_path: str | pathlib.Path, *, n
   otherwise never stop); rerun to continue. ``seeds``: rows with ``prompt`` (the opening of the
   user turn) and ``category``; none: unsteered.
   """
-  from redrafter_jax.generate import generate
-  from redrafter_jax.tokenizer import stop_token_ids
+  from redrafter_jax.inference.ar import generate
+  from redrafter_jax.weights.tokenizer import stop_token_ids
 
   if num < 1 or batch_size < 1 or max_new_tokens < 1:
     raise ConfigError("num, batch_size and max_new_tokens must be >= 1")

@@ -1,0 +1,112 @@
+"""The autoregressive baseline: a jitted prefill, then a ``lax.while_loop`` of one-token steps.
+
+It is what ReDrafter is measured against and must reproduce (greedy), and what writes the
+teacher data for training. The whole generation runs on the device; only the result comes back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from redrafter_jax.inference import sampling
+from redrafter_jax.inference.runtime import (GenerateError, Output, cache_size_for,
+                                             check_sampling, empty_output, pack_prompts, prefill,
+                                             record)
+from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.llama import Llama
+
+
+@struct.dataclass
+class _ARState:
+  cache: kvc.KVCache
+  last_B: jax.Array  # the newest token, not yet in the cache
+  out: Output
+  done_B: jax.Array
+  rng: jax.Array
+
+
+def _next_tokens(key, logits_BV, params: sampling.SamplingParams, *, filtered: bool,
+                 greedy: bool) -> jax.Array:
+  if greedy:  # every row is greedy (static): skip the per-step random draw over the vocabulary
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_size",
+                                             "filtered", "greedy"), donate_argnames=())
+def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
+              stop_ids, *, max_new_tokens: int, cache_size: int, filtered: bool,
+              greedy: bool = False) -> Output:
+  model = nnx.merge(graphdef, state)
+  B = tokens_BT.shape[0]
+  cache = model.init_cache(B, cache_size)
+  logits_BV, _, cache = prefill(model, tokens_BT, lengths_B, cache)
+  rng, key = jax.random.split(rng)
+  first_B = _next_tokens(key, logits_BV, params, filtered=filtered, greedy=greedy)
+  out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), first_B[:, None],
+                       jnp.ones((B,), jnp.int32), stop_ids, max_new_tokens)
+  ones_B11 = jnp.ones((B, 1, 1), bool)
+
+  def cond(s: _ARState):
+    return ~jnp.all(s.done_B)
+
+  def body(s: _ARState):
+    mask_BTS = kvc.visible_mask(s.cache.lengths_B, ones_B11, cache_size)
+    logits_BTV, _, cache = model(s.last_B[:, None], s.cache.lengths_B[:, None], mask_BTS, s.cache)
+    cache = kvc.advance(cache, jnp.ones_like(s.done_B, jnp.int32))
+    rng, key = jax.random.split(s.rng)
+    next_B = _next_tokens(key, logits_BTV[:, 0], params, filtered=filtered, greedy=greedy)
+    out, done_B = record(s.out, s.done_B, next_B[:, None], jnp.ones_like(next_B), stop_ids,
+                         max_new_tokens)
+    return _ARState(cache, next_B, out.replace(steps=out.steps + 1), done_B, rng)
+
+  state0 = _ARState(cache, first_B, out, done_B, rng)
+  return jax.lax.while_loop(cond, body, state0).out
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """Host-side result: one token list per prompt, plus counters."""
+
+  tokens: list[list[int]]
+  stopped: list[bool]
+  steps: int
+
+  @classmethod
+  def from_output(cls, out: Output) -> "Result":
+    tokens_BM, num_B = np.asarray(out.tokens_BM), np.asarray(out.num_B)
+    return cls(tokens=[tokens_BM[b, :num_B[b]].tolist() for b in range(len(num_B))],
+               stopped=np.asarray(out.stopped_B).tolist(), steps=int(out.steps))
+
+
+def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+             temperature=0.0, top_p=1.0, top_k=0, seed: int = 0, stop_ids: Sequence[int] = (),
+             cache_size: int | None = None) -> Result:
+  """Plain AR decoding of a batch of token-id prompts (greedy when temperature is 0).
+
+  Sampling settings may be scalars or one value per prompt.
+  """
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise GenerateError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  check_sampling(temperature, top_p, top_k)
+  tokens_BT, lengths_B = pack_prompts(prompts)
+  limit = model.config.max_position_embeddings
+  size = cache_size or cache_size_for(int(lengths_B.max()), max_new_tokens, 1, limit)
+  if size < tokens_BT.shape[1] or size < int(lengths_B.max()) + max_new_tokens:
+    raise GenerateError(f"cache_size {size} is too small for the prompts + max_new_tokens")
+  B = len(prompts)
+  params = sampling.SamplingParams.make(B, temperature, top_p, top_k)
+  graphdef, state = nnx.split(model)
+  out = _generate(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), params,
+                  jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32),
+                  max_new_tokens=max_new_tokens, cache_size=size,
+                  filtered=sampling.needs_filter(top_p, top_k),
+                  greedy=sampling.all_greedy(temperature))
+  return Result.from_output(out)

@@ -1,0 +1,109 @@
+"""What every decoder shares: prompt packing, cache sizing, the prefill and the output record.
+
+The AR baseline (``ar``), ReDrafter (``decode``) and the server's slot batch all build on these.
+Rows are right-padded and each has its own length, positions and finish flag, so a batch never
+needs left padding and a finished row stops emitting at once (its slot keeps computing, masked,
+until the batch is done: shapes are static).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from redrafter_jax.errors import UserError
+from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.llama import Llama
+
+
+class GenerateError(UserError, ValueError):
+  """Bad generation arguments (empty prompt, too long for the cache, bad settings)."""
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0, multiple: int = 64
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pad token lists into ``tokens_BT`` (T rounded up to limit recompiles) + ``lengths_B``."""
+  if len(prompts) == 0:
+    raise GenerateError("no prompts given")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  if (lengths == 0).any():
+    raise GenerateError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs >= 1 token")
+  T = round_up(int(lengths.max()), multiple)
+  tokens = np.full((len(prompts), T), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return tokens, lengths
+
+
+def cache_size_for(prompt_len: int, max_new_tokens: int, extra: int, limit: int, *,
+                   multiple: int = 128) -> int:
+  """Static cache slots: prompt + new tokens + scratch for one forward, rounded up to
+  ``multiple`` (fewer distinct sizes, fewer compilations)."""
+  need = prompt_len + max_new_tokens + extra
+  if need > limit:
+    raise GenerateError(
+        f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + {extra} scratch "
+        f"slots = {need} exceeds the model's context of {limit} tokens")
+  return min(round_up(need, multiple), limit)
+
+
+def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache):
+  """Run the prompts; returns logits and hidden at each row's last prompt token, and the cache."""
+  B, T = tokens_BT.shape
+  positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+  valid_BT = positions_BT < lengths_B[:, None]
+  mask_BTS = kvc.visible_mask(cache.lengths_B, kvc.causal_mask(valid_BT), cache.size)
+  hidden_BTD, cache = model.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
+  cache = kvc.advance(cache, lengths_B)
+  last_BD = jnp.take_along_axis(hidden_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  return model.logits(last_BD), last_BD, cache
+
+
+@struct.dataclass
+class Output:
+  """Generated tokens per row. ``tokens_BM[b, :num_B[b]]`` are valid (stop token included)."""
+
+  tokens_BM: jax.Array
+  num_B: jax.Array
+  stopped_B: jax.Array  # ended on a stop token (else on max_new_tokens)
+  steps: jax.Array  # LLM forward passes after the prefill
+
+
+def record(out: Output, done_B, new_BA, count_B, stop_ids, max_new: int):
+  """Append ``count_B`` tokens of ``new_BA`` to each unfinished row; stop at a stop token or at
+  ``max_new``. Returns the new output and done flags."""
+  A = new_BA.shape[1]
+  idx_A = jnp.arange(A)
+  is_stop_BA = jnp.isin(new_BA, stop_ids) & (idx_A < count_B[:, None])
+  first_stop_B = jnp.where(is_stop_BA.any(1), jnp.argmax(is_stop_BA, axis=1) + 1, A + 1)
+  room_B = max_new - out.num_B
+  keep_B = jnp.where(done_B, 0, jnp.minimum(jnp.minimum(count_B, first_stop_B), room_B))
+  dest_BA = jnp.where(idx_A < keep_B[:, None], out.num_B[:, None] + idx_A, max_new)  # OOB: drop
+  tokens = jax.vmap(lambda t, d, n: t.at[d].set(n, mode="drop"))(out.tokens_BM, dest_BA, new_BA)
+  stopped_B = out.stopped_B | (~done_B & (first_stop_B <= keep_B))
+  num_B = out.num_B + keep_B
+  out = out.replace(tokens_BM=tokens, num_B=num_B, stopped_B=stopped_B)
+  return out, done_B | stopped_B | (num_B >= max_new)
+
+
+def empty_output(batch: int, max_new: int) -> Output:
+  return Output(tokens_BM=jnp.zeros((batch, max_new), jnp.int32),
+                num_B=jnp.zeros((batch,), jnp.int32), stopped_B=jnp.zeros((batch,), bool),
+                steps=jnp.zeros((), jnp.int32))
+
+
+def check_sampling(temperature, top_p, top_k) -> None:
+  if np.any(np.asarray(temperature) < 0):
+    raise GenerateError(f"temperature must be >= 0, got {temperature}")
+  if np.any((np.asarray(top_p) <= 0) | (np.asarray(top_p) > 1)):
+    raise GenerateError(f"top_p must be in (0, 1], got {top_p}")
+  if np.any(np.asarray(top_k) < 0):
+    raise GenerateError(f"top_k must be >= 0, got {top_k}")

@@ -1,0 +1,197 @@
+"""One ReDrafter step, as pure functions of the models and an explicit state (static shapes):
+
+  1. draft   beam search over the drafter from (h, g0)                       -> beams [B, W, L]
+             (+ one beam copied from the context when ``cfg.lookup_ngram``: ``lookup``)
+  2. pack    de-duplicate prefixes into a tree of N slots                     -> tokens, mask
+  3. verify  one LLM forward over the N tree tokens against the cache        -> logits, hidden
+  4. accept  the acceptance rule picks a path and the next token g0
+  5. commit  move the accepted path's K/V into place (a gather of <= L slots) and advance
+
+Rows finish independently: a finished row stops emitting and committing at once; its slot keeps
+computing (masked) until the whole batch is done. ``decode.ReDrafter`` runs ``init`` once and
+``step`` in a ``lax.while_loop``; the serving engine and the benchmarks drive the pieces directly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from redrafter_jax.config import DecodeConfig
+from redrafter_jax.inference import lookup, sampling
+from redrafter_jax.inference import tree as tree_lib
+from redrafter_jax.inference import verify as verify_lib
+from redrafter_jax.inference.beam_search import BeamOutput, beam_search
+from redrafter_jax.inference.runtime import Output, empty_output, prefill, record
+from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
+
+
+@struct.dataclass
+class Metrics:
+  """Per-row counters, updated only while the row is active."""
+
+  steps_B: jax.Array  # verification steps
+  accepted_B: jax.Array  # drafted tokens accepted in total
+  accept_hist_BL: jax.Array  # steps by number of accepted drafted tokens (0 .. L-1)
+  tree_tokens_B: jax.Array  # packed tree tokens (<= N) summed over steps
+  unique_tokens_B: jax.Array  # unique tree nodes before the budget cut, summed
+  beam_tokens_B: jax.Array  # W * L summed over steps (before de-duplication)
+
+  @classmethod
+  def zeros(cls, batch: int, beam_length: int) -> "Metrics":
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(z, z, jnp.zeros((batch, beam_length), jnp.int32), z, z, z)
+
+
+@struct.dataclass
+class DecodeState:
+  cache: kvc.KVCache
+  g0_B: jax.Array  # the LLM's newest token, not yet in the cache (the beams' root)
+  h_BD: jax.Array  # LLM hidden state at the last committed token (the drafter's context)
+  context_BS: jax.Array  # token at each position: prompt, committed tokens, g0 at cache length
+  out: Output
+  done_B: jax.Array
+  rng: jax.Array
+  metrics: Metrics
+
+
+def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng, stop_ids, *,
+         cache_size: int, max_new_tokens: int, beam_length: int, filtered: bool,
+         greedy: bool = False) -> DecodeState:
+  """Prefill the prompts and choose each row's first token."""
+  B = tokens_BT.shape[0]
+  cache = llm.init_cache(B, cache_size)
+  logits_BV, h_BD, cache = prefill(llm, tokens_BT, lengths_B, cache)
+  rng, key = jax.random.split(rng)
+  if greedy:
+    g0_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  else:
+    g0_B = sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
+  out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), g0_B[:, None],
+                       jnp.ones((B,), jnp.int32), stop_ids, max_new_tokens)
+  context_BS = start_context(tokens_BT, lengths_B, g0_B, cache_size)
+  return DecodeState(cache, g0_B, h_BD, context_BS, out, done_B, rng,
+                     Metrics.zeros(B, beam_length))
+
+
+def start_context(tokens_BT, lengths_B, g0_B, size: int) -> jax.Array:
+  """The prompt tokens then g0 at position ``length``, in ``size`` positions."""
+  context_BS = jnp.zeros((tokens_BT.shape[0], size), jnp.int32)
+  context_BS = context_BS.at[:, :tokens_BT.shape[1]].set(tokens_BT.astype(jnp.int32))
+  return lookup.write(context_BS, lengths_B, g0_B[:, None], jnp.ones_like(lengths_B))
+
+
+def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig
+          ) -> tuple[BeamOutput, tree_lib.Tree]:
+  """Beams from the drafter (and the context lookup, when on), packed into a tree.
+
+  Any NNX module with a ``propose(llm, state, cfg) -> BeamOutput`` method can stand in for the
+  drafter: the tests use an oracle that proposes the true continuation with planted errors.
+  """
+  if hasattr(drafter, "propose"):
+    beams = drafter.propose(llm, state, cfg)
+  else:
+    beams = beam_search(drafter, llm.embed_tokens.embedding[...], state.h_BD, state.g0_B,
+                        beam_width=cfg.beam_width, beam_length=cfg.beam_length,
+                        return_full=cfg.acceptance == "reference")
+  if cfg.lookup_ngram:
+    beams = with_lookup_beam(beams, state, cfg.lookup_ngram)
+  prefix_logp_BWL = jnp.pad(jnp.cumsum(beams.logp_BWJ, axis=2), ((0, 0), (0, 0), (1, 0)))
+  return beams, tree_lib.pack(beams.beams_BWL, cfg.num_tree_tokens, prefix_logp_BWL)
+
+
+def with_lookup_beam(beams: BeamOutput, state: DecodeState, max_ngram: int) -> BeamOutput:
+  """Append the context-lookup beam as beam W. Its drafted tokens get log-prob 0, so the tree
+  packs it first (a copy that matches is usually right); with no match it repeats beam 0 and
+  de-duplicates to nothing."""
+  beam_BL, _ = lookup.lookup_beam(state.context_BS, state.cache.lengths_B, beams.beams_BWL[:, 0],
+                                  max_ngram=max_ngram)
+  B, _, J = beams.logp_BWJ.shape
+  return BeamOutput(beams_BWL=jnp.concatenate([beams.beams_BWL, beam_BL[:, None]], axis=1),
+                    logp_BWJ=jnp.concatenate([beams.logp_BWJ, jnp.zeros((B, 1, J))], axis=1),
+                    score_BW=jnp.concatenate([beams.score_BW, jnp.zeros((B, 1))], axis=1))
+
+
+def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree):
+  """One LLM forward over the packed tree; its K/V land in the cache's scratch slots."""
+  cache = state.cache
+  positions_BN = cache.lengths_B[:, None] + tree.depth_BN
+  mask_BNS = kvc.visible_mask(cache.lengths_B, tree.mask_BNN, cache.size)
+  hidden_BND, cache = llm.forward_hidden(tree.tokens_BN, positions_BN, mask_BNS, cache)
+  return llm.logits(hidden_BND), hidden_BND, cache
+
+
+def per_row_keys(rng) -> bool:
+  """Whether ``rng`` holds one key per row (the server: a request's draws must not depend on
+  which other requests share its batch) rather than one key for the whole batch."""
+  return jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.ndim == 1
+
+
+def accept(rng, beams: BeamOutput, tree: tree_lib.Tree, logits_BNV,
+           params: sampling.SamplingParams, cfg: DecodeConfig, filtered: bool,
+           greedy: bool = False) -> verify_lib.Verdict:
+  """The acceptance rule of ``cfg``. ``greedy`` (static: every row has temperature 0) takes the
+  argmax walk, which is what every rule does for greedy rows, without drawing random numbers;
+  so does ``cfg.acceptance == "greedy"`` (whose callers admit temperature 0 only)."""
+  if greedy or cfg.acceptance == "greedy":
+    return verify_lib.verify_greedy(tree, logits_BNV, beam_length=cfg.beam_length)
+  if per_row_keys(rng):  # each row decides alone, as a batch of one with its own key
+    def row(key, one_row):
+      b, t, logits_1NV, p = jax.tree.map(lambda x: x[None], one_row)
+      return jax.tree.map(lambda x: x[0], accept(key, b, t, logits_1NV, p, cfg, filtered))
+    return jax.vmap(row)(rng, (beams, tree, logits_BNV, params))
+  if cfg.acceptance == "typical":
+    return verify_lib.verify_typical(rng, tree, beams, logits_BNV, params, eps=cfg.typical_eps,
+                                     delta=cfg.typical_delta, filtered=filtered)
+  if cfg.acceptance == "reference":
+    return verify_lib.verify_reference(rng, tree, beams, logits_BNV, params, filtered=filtered)
+  return verify_lib.verify_exact(rng, tree, logits_BNV, params, beam_length=cfg.beam_length,
+                                 filtered=filtered)
+
+
+def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, hidden_BND,
+           tree: tree_lib.Tree, stop_ids, *, max_new_tokens: int) -> DecodeState:
+  """Keep the accepted path: cache, next (h, g0), output tokens and metrics of active rows."""
+  active_B = ~state.done_B
+  count_B = verdict.num_accepted_B + 1
+  cache = kvc.commit(cache, verdict.path_BA, jnp.where(active_B, count_B, 0))
+  h_BD = jnp.take_along_axis(hidden_BND, verdict.end_slot_B[:, None, None], axis=1)[:, 0]
+  next_B = jax.vmap(lambda t, n: t[n])(verdict.tokens_BA, verdict.num_accepted_B)
+  out, done_B = record(state.out, state.done_B, verdict.tokens_BA, count_B, stop_ids,
+                       max_new_tokens)
+  context_BS = lookup.write(state.context_BS, state.cache.lengths_B + 1, verdict.tokens_BA,
+                            jnp.where(active_B, count_B, 0))
+  m = state.metrics
+  on = active_B.astype(jnp.int32)
+  L = m.accept_hist_BL.shape[1]
+  W = tree.node_BWL.shape[1]
+  metrics = Metrics(
+      steps_B=m.steps_B + on,
+      accepted_B=m.accepted_B + on * verdict.num_accepted_B,
+      accept_hist_BL=m.accept_hist_BL + on[:, None] * jax.nn.one_hot(
+          verdict.num_accepted_B, L, dtype=jnp.int32),
+      tree_tokens_B=m.tree_tokens_B + on * jnp.minimum(tree.num_unique_B, tree.size),
+      unique_tokens_B=m.unique_tokens_B + on * tree.num_unique_B,
+      beam_tokens_B=m.beam_tokens_B + on * (W * L))
+  keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+  return DecodeState(cache=cache, g0_B=keep(next_B, state.g0_B), h_BD=keep(h_BD, state.h_BD),
+                     context_BS=context_BS, out=out.replace(steps=out.steps + 1), done_B=done_B,
+                     rng=state.rng, metrics=metrics)
+
+
+def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.SamplingParams,
+         stop_ids, cfg: DecodeConfig, *, filtered: bool, greedy: bool = False) -> DecodeState:
+  if per_row_keys(state.rng):
+    keys_B2 = jax.vmap(jax.random.split)(state.rng)
+    rng, key = keys_B2[:, 0], keys_B2[:, 1]
+  else:
+    rng, key = jax.random.split(state.rng)
+  state = state.replace(rng=rng)
+  beams, tree = draft(llm, drafter, state, cfg)
+  logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree)
+  verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
+  return commit(state, cache, verdict, hidden_BND, tree, stop_ids,
+                max_new_tokens=cfg.max_new_tokens)
