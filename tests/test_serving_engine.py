@@ -192,11 +192,23 @@ def test_bad_requests_are_refused(self_engine):
          (GenerationRequest([5], temperature=-0.5), "temperature"),
          (GenerationRequest([5], top_p=0.0), "top_p"),
          (GenerationRequest([5], top_k=-1), "top_k"),
-         (GenerationRequest([5], stop=[""]), "stop")]
+         (GenerationRequest([5], stop=[""]), "stop"),
+         # What the device arrays cannot hold (int32, float32) is refused here too, so no
+         # caller can reach a failing conversion on the engine thread.
+         (GenerationRequest([5], temperature=0.7, top_k=2**31), "top_k"),
+         (GenerationRequest([5], temperature=1e-40), "temperature"),
+         (GenerationRequest([5], temperature=float("nan")), "temperature"),
+         (GenerationRequest([5], temperature=float("inf")), "temperature"),
+         (GenerationRequest([5], temperature=0.5, top_p=1e-46), "top_p"),
+         (GenerationRequest([5], top_p=float("nan")), "top_p"),
+         (GenerationRequest([5], seed=2**64), "seed"),
+         (GenerationRequest([5], max_tokens=2**31), "max_tokens"),
+         (GenerationRequest([5], stop=["x" * 257]), "stop")]
   for request, param in bad:
     with pytest.raises(RequestError) as e:
       self_engine.submit(request, lambda _: None)
     assert e.value.param == param, (request, str(e.value))
+    assert e.value.code, (request, str(e.value))
   assert self_engine.generate(GenerationRequest([5], max_tokens=2)).finish_reason == "length"
 
 

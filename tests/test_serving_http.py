@@ -20,7 +20,7 @@ from redrafter_jax import tokenizer as tokenizer_lib
 from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.decode import decode
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving import loadtest, testing
+from redrafter_jax.serving import loadtest, protocol, testing
 from redrafter_jax.serving.app import create_app
 from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.server import ServerThread
@@ -157,47 +157,84 @@ def _post(url, path, body: bytes | str | dict):
 
 GOOD = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
-BAD = [  # (path, body, status, param)
-    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 400, "model"),
-    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 200)}, 400, "prompt"),
+BAD = [  # (path, body, status, param, code)
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt", "empty_prompt"),
+    ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt", "empty_prompt"),
+    ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 200)}, 400, "prompt",
+     "context_length_exceeded"),
     ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 100), "max_tokens": 30}, 400,
-     "max_tokens"),
-    ("/v1/completions", {**GOOD, "prompt": [1, 2, V + 1]}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "max_tokens": 10_000}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "w1"}, 400, "model"),
-    ("/v1/completions", '{"model": "tiny-test", "prompt": "w1"', 400, None),
-    ("/v1/completions", "[1, 2]", 400, None),
-    ("/v1/completions", "", 400, None),
-    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+     "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 2, V + 1]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "prompt": [[1]] * 37}, 400, "prompt", "too_many_prompts"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens",
+     "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": 10_000}, 400, "max_tokens",
+     "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": 2**31}, 400, "max_tokens",
+     "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature",
+     "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "temperature": 2.5}, 400, "temperature",
+     "decimal_above_max_value"),
+    ("/v1/completions", {**GOOD, "temperature": 1e-9}, 400, "temperature",
+     "decimal_below_min_value"),
+    ("/v1/completions", '{"model": "tiny-test", "prompt": "w1", "temperature": NaN}', 400,
+     "temperature", "invalid_value"),
+    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p", "decimal_above_max_value"),
+    ("/v1/completions", {**GOOD, "top_p": 1e-50}, 400, "top_p", "decimal_below_min_value"),
+    ("/v1/completions", {**GOOD, "temperature": 0.7, "top_k": 2**31}, 400, "top_k",
+     "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "top_k": -2}, 400, "top_k", "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "seed": 2**64}, 400, "seed", "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "invalid_type"),
+    ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt", "invalid_type"),
+    ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "array_above_max_length"),
+    ("/v1/completions", {**GOOD, "stop": "x" * 300}, 400, "stop", "invalid_value"),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "w1"}, 400, "model", "missing_required_parameter"),
+    ("/v1/completions", '{"model": "tiny-test", "prompt": "w1"', 400, None, "invalid_json"),
+    ("/v1/completions", "[1, 2]", 400, None, "invalid_json"),
+    ("/v1/completions", "", 400, None, "invalid_json"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", "empty_prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages", "invalid_type"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
-     "messages"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+     "messages", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "integer_below_min_value"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 33}, 400,
+     "max_completion_tokens", "integer_above_max_value"),
 ]
 
 
 def test_bad_input_gets_4xx_and_the_server_keeps_serving(server):
-  for path, body, status, param in BAD:
+  refused = _metric(server.url, 'redrafter_rejected_requests_total{reason="bad_request"}')
+  for path, body, status, param, code in BAD:
     r = _post(server.url, path, body)
     assert r.status_code == status, (body, r.text)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
-    assert err["param"] == param, (body, err)
+    assert (err["param"], err["code"]) == (param, code), (body, err)
     good = _post(server.url, "/v1/completions", GOOD)
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
   assert httpx.get(f"{server.url}/v1/nothing", timeout=10).json()["error"]["code"] == "not_found"
+  # Every 400 is counted (the 404s under their own reason).
+  assert _metric(server.url, 'redrafter_rejected_requests_total{reason="bad_request"}') == \
+      refused + sum(status == 400 for _, _, status, _, _ in BAD)
+  assert _metric(server.url, 'redrafter_rejected_requests_total{reason="not_found"}') >= 2
+
+
+def test_error_messages_name_the_field():
+  """Messages say which field (nested ones by their path) and which name the client used."""
+  with pytest.raises(protocol.APIError) as e:
+    protocol.parse(protocol.ChatCompletionRequest,
+                   json.dumps({**CHAT, "messages": [{"content": "w1"}]}).encode())
+  assert "'messages[0].role' is required" in e.value.message
+  assert e.value.code == "missing_required_parameter"
 
 
 def _wait(predicate, timeout=120.0):

@@ -34,6 +34,8 @@ from redrafter_jax.serving.protocol import APIError
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5
+REJECT_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
+                  405: "bad_request", 413: "too_large", 503: "unavailable"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,32 @@ class _Run:
       yield index, event
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+  """A parsed, tokenized request: its body and one engine request per prompt."""
+
+  body: protocol.RequestBase
+  requests: list[GenerationRequest]
+  max_tokens_name: str = "max_tokens"  # the field the client used (chat has two names)
+
+
+def encode(tokenize, param: str) -> list[int]:
+  """Token ids, or a 400: text the tokenizer or chat template cannot take is the client's."""
+  try:
+    return tokenize()
+  except Exception as e:
+    what = "the chat template cannot format these messages" if param == "messages" else \
+        "the prompt cannot be tokenized"
+    raise APIError(400, f"{what}: {type(e).__name__}: {e}", param=param,
+                   code="invalid_value") from None
+
+
+def _failure(event: Failed) -> APIError:
+  """The error a failed engine request becomes: 503 if the server is stopping, else 500."""
+  status = 503 if event.code == "shutting_down" else 500
+  return APIError(status, event.message, type="server_error", code=event.code, refusal=False)
+
+
 def _sse(obj) -> str:
   return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -95,21 +123,30 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
                 "OpenAI-compatible", docs_url=None, redoc_url=None)
   started = int(time.time())
 
+  def reject(status: int) -> None:
+    """Count a refused request (429s are counted by the engine, which raises them)."""
+    if status in REJECT_REASONS:
+      engine.metrics.rejected.labels(reason=REJECT_REASONS[status]).inc()
+
   @app.exception_handler(APIError)
   async def _api_error(_, e: APIError):
-    headers = {"Retry-After": "1"} if e.status == 429 else None
+    if e.refusal:
+      reject(e.status)
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
   @app.exception_handler(StarletteHTTPException)
   async def _http_error(_, e: StarletteHTTPException):
-    code = "not_found" if e.status_code == 404 else None
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+    reject(e.status_code)
     err = APIError(e.status_code, str(e.detail), code=code)
-    return JSONResponse(err.body(), status_code=e.status_code)
+    return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
   @app.exception_handler(Exception)
   async def _internal(_, e: Exception):
     log.exception("unhandled error")
-    err = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+    err = APIError(500, f"internal error: {type(e).__name__}", type="server_error",
+                   code="internal_error")
     return JSONResponse(err.body(), status_code=500)
 
   @app.get("/health")
@@ -136,7 +173,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
       raise _unknown_model(name, 404)  # GET of a resource that does not exist
     return model_card()
 
-  def _unknown_model(name: str, status: int = 400) -> APIError:
+  def _unknown_model(name: str, status: int = 404) -> APIError:
     return APIError(status, f"the model '{name}' does not exist; this server serves "
                     f"'{model_name}'", param="model", code="model_not_found")
 
@@ -149,18 +186,26 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
     pick = lambda v, d: d if v is None else v
     temperature = pick(body.temperature, defaults.temperature)
     top_p, top_k = pick(body.top_p, defaults.top_p), pick(body.top_k, defaults.top_k)
+    top_k = max(top_k, 0)  # -1 is vLLM's "off"
     return [GenerationRequest(prompt_ids=p, max_tokens=max_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=body.seed,
                               stop=tuple(body.stop_list())) for p in prompts]
 
-  def start(requests: list[GenerationRequest]) -> _Run:
+  def start(prepared: _Prepared) -> _Run:
+    requests, capacity = prepared.requests, engine.config.slots + engine.config.max_queue
+    if len(requests) > capacity:
+      raise APIError(400, f"{len(requests)} prompts in one request; this server holds at most "
+                     f"{capacity} requests at once (slots + queue): send fewer prompts per "
+                     "request", param="prompt", code="too_many_prompts")
     try:
       for r in requests:  # every prompt is checked before any is queued
         engine.check(r)
       return _Run(engine, requests)
     except RequestError as e:
-      engine.metrics.rejected.labels(reason="bad_request").inc()
-      raise APIError(400, str(e), param=e.param, code=e.code) from None
+      param, message = e.param, str(e)
+      if param == "max_tokens" and prepared.max_tokens_name != param:
+        param, message = prepared.max_tokens_name, message.replace(param, prepared.max_tokens_name)
+      raise APIError(400, message, param=param, code=e.code) from None
     except QueueFull as e:
       raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
     except EngineStopped as e:
@@ -179,7 +224,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
     try:
       async for i, event in run.events(request):
         if isinstance(event, Failed):
-          raise APIError(500, event.message, type="server_error")
+          raise _failure(event)
         texts[i].append(event.text)
         if isinstance(event, Finished):
           reasons[i], usages[i] = event.finish_reason, event.usage
@@ -201,7 +246,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
                                          {"role": "assistant", "content": ""}, None))
       async for i, event in run.events(None):
         if isinstance(event, Failed):
-          yield _sse(APIError(500, event.message, type="server_error").body())
+          yield _sse(_failure(event).body())
           break
         reason = event.finish_reason if isinstance(event, Finished) else None
         if chat:
@@ -223,37 +268,40 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
     finally:  # also on disconnect (the generator is cancelled): free the slots
       run.cancel()
 
-  @app.post("/v1/completions")
-  async def completions(request: Request):
-    body = protocol.parse(protocol.CompletionRequest, await request.body())
+  def prepare_completion(raw: bytes) -> _Prepared:
+    body = protocol.parse(protocol.CompletionRequest, raw)
     check_model(body)
     prompts = []
     for p in body.prompts():
       if isinstance(p, str):
         if not p:
           raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-        p = tokenizer_lib.encode(tokenizer, p, chat=False)
+        p = encode(lambda: tokenizer_lib.encode(tokenizer, p, chat=False), "prompt")
       prompts.append(p)
     if not prompts:
       raise APIError(400, "no prompt given", param="prompt", code="empty_prompt")
-    run = start(requests_for(body, prompts, body.max_tokens))
-    return await respond(request, body, run, chat=False)
+    return _Prepared(body, requests_for(body, prompts, body.max_tokens))
 
-  @app.post("/v1/chat/completions")
-  async def chat_completions(request: Request):
-    body = protocol.parse(protocol.ChatCompletionRequest, await request.body())
+  def prepare_chat(raw: bytes) -> _Prepared:
+    body = protocol.parse(protocol.ChatCompletionRequest, raw)
     check_model(body)
     if not body.messages:
       raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
-    try:
-      ids = tokenizer_lib.encode_messages(
-          tokenizer, [m.as_template_message() for m in body.messages])
-    except Exception as e:  # the chat template rejects the conversation (e.g. role order)
-      raise APIError(400, f"the chat template cannot format these messages: {e}",
-                     param="messages") from None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    run = start(requests_for(body, [ids], max_tokens))
-    return await respond(request, body, run, chat=True)
+    messages = [m.as_template_message() for m in body.messages]
+    ids = encode(lambda: tokenizer_lib.encode_messages(tokenizer, messages), "messages")
+    name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    max_tokens = body.max_tokens if body.max_completion_tokens is None \
+        else body.max_completion_tokens
+    return _Prepared(body, requests_for(body, [ids], max_tokens), name)
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    prepared = prepare_completion(await request.body())
+    return await respond(request, prepared.body, start(prepared), chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    prepared = prepare_chat(await request.body())
+    return await respond(request, prepared.body, start(prepared), chat=True)
 
   return app
