@@ -14,8 +14,8 @@ from redrafter_jax.decode import decode
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import testing
-from redrafter_jax.serving.engine import (Delta, Engine, EngineConfig, Finished, GenerationRequest,
-                                          QueueFull, RequestError)
+from redrafter_jax.serving.engine import (Delta, Engine, EngineConfig, Failed, Finished,
+                                          GenerationRequest, QueueFull, RequestError)
 from redrafter_jax.serving.placement import serving_mesh
 from redrafter_jax.serving.textstream import TextStream
 
@@ -244,3 +244,53 @@ def test_text_stream_partial_characters_and_stops():
   assert s2.push(list(b"d")) == "ENd"
   assert s2.push(list(b"E")) == ""
   assert s2.flush() == "E" and not s2.stopped
+
+
+def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
+  """A fault in one request's prefill, and one in another's detokenization mid-generation,
+  fail those two (Failed, slot freed); the requests beside them finish with exactly the
+  tokens they get alone, and the engine stays idle-clean and serving."""
+  from redrafter_jax.serving import engine as engine_lib
+
+  engine = self_engine
+  normal = [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in (0, 2, 4, 6, 9)]
+  normal.append(GenerationRequest(PROMPTS[5], max_tokens=20, temperature=1.0, seed=3))
+  alone = [engine.generate(r).token_ids for r in normal]
+  poison_prefill = GenerationRequest([7, 7, 7], max_tokens=10)
+  poison_text = GenerationRequest(PROMPTS[1], max_tokens=24, stop=["POISON"])
+
+  real_admit = engine._place.admit
+
+  def admit(slot, prompt, *args):
+    if prompt == [7, 7, 7]:
+      raise OverflowError("injected prefill fault")
+    return real_admit(slot, prompt, *args)
+
+  class FaultyText(TextStream):
+    def push(self, ids):
+      if "POISON" in self._stop and len(self._ids) >= 3:
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "injected detokenizer fault")
+      return super().push(ids)
+
+  monkeypatch.setattr(engine._place, "admit", admit)
+  monkeypatch.setattr(engine_lib, "TextStream", FaultyText)
+  errors_before = engine.metrics.requests.labels(finish_reason="error")._value.get()
+  requests = normal[:3] + [poison_prefill, poison_text] + normal[3:]
+  events = queue.Queue()
+  for i, r in enumerate(requests):
+    engine.submit(r, lambda e, i=i: events.put((i, e)))
+  ended = {}
+  deadline = time.monotonic() + 300
+  while len(ended) < len(requests):
+    i, e = events.get(timeout=max(deadline - time.monotonic(), 0.01))
+    if isinstance(e, (Finished, Failed)):
+      ended[i] = e
+  assert isinstance(ended[3], Failed) and "injected prefill fault" in ended[3].message
+  assert isinstance(ended[4], Failed) and "injected detokenizer fault" in ended[4].message
+  assert ended[3].code == ended[4].code == "internal_error"
+  got = [ended[i].token_ids for i in (0, 1, 2, 5, 6, 7)]
+  assert got == alone
+  assert engine.metrics.requests.labels(finish_reason="error")._value.get() == errors_before + 2
+  assert engine.active_slots() == 0 and engine.queue_length() == 0 and engine._load == 0
+  monkeypatch.undo()
+  assert engine.generate(normal[0]).token_ids == alone[0]

@@ -380,3 +380,27 @@ def test_small_load_test_all_complete(server, capsys):
   assert report["latency_p99_s"] >= report["latency_p50_s"] > 0
   assert report["tokens_per_step"] > 1  # the self-drafter's drafts were accepted
   assert "16/16" in out and "latency p99" in out
+
+
+def test_an_engine_fault_is_a_500_for_that_request_only(one_slot, monkeypatch):
+  srv, engine = one_slot
+  real_admit = engine._place.admit
+
+  def admit(slot, prompt, *args):
+    if prompt == encode(testing.word_tokenizer(V), "w9 w9 w9"):
+      raise OverflowError("injected fault")
+    return real_admit(slot, prompt, *args)
+
+  monkeypatch.setattr(engine._place, "admit", admit)
+  poison = {**GOOD, "prompt": "w9 w9 w9"}
+  r = _post(srv.url, "/v1/completions", poison)
+  assert r.status_code == 500, r.text
+  err = r.json()["error"]
+  assert err["code"] == "internal_error" and "injected fault" in err["message"]
+  with httpx.stream("POST", f"{srv.url}/v1/completions", json={**poison, "stream": True},
+                    timeout=60) as s:
+    events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+  assert json.loads(events[0])["error"]["code"] == "internal_error" and events[-1] == "[DONE]"
+  assert _post(srv.url, "/v1/completions", GOOD).status_code == 200
+  assert _health(srv.url) == {**_health(srv.url), "status": "ok", "active_slots": 0,
+                              "queue_length": 0}

@@ -84,6 +84,10 @@ class Placement:
 
     return jax.tree_util.tree_map_with_path(one, abstract_batch)
 
+  def batch_intact(self) -> bool:
+    """False once a failed call has consumed (donated) the batch's buffers."""
+    return not any(x.is_deleted() for x in jax.tree.leaves(self.batch))
+
   def reset(self) -> None:
     """A fresh batch (all slots free), e.g. after a failed step left donated buffers behind."""
     self.batch = self._new_batch()
