@@ -404,3 +404,50 @@ def test_an_engine_fault_is_a_500_for_that_request_only(one_slot, monkeypatch):
   assert _post(srv.url, "/v1/completions", GOOD).status_code == 200
   assert _health(srv.url) == {**_health(srv.url), "status": "ok", "active_slots": 0,
                               "queue_length": 0}
+
+
+def test_parsing_runs_off_the_event_loop(server, monkeypatch):
+  """While one request's tokenization is stuck, /health and other requests still answer: the
+  body is parsed and tokenized in a worker thread, not on the event loop."""
+  entered, release, threads = threading.Event(), threading.Event(), []
+  real_encode = tokenizer_lib.encode
+
+  def slow_encode(tok, text, **kwargs):
+    if text == "w42 w42 w42":
+      threads.append(threading.current_thread().name)
+      entered.set()
+      assert release.wait(60)
+    return real_encode(tok, text, **kwargs)
+
+  monkeypatch.setattr(tokenizer_lib, "encode", slow_encode)
+  result = {}
+  stuck = threading.Thread(target=lambda: result.update(
+      r=_post(server.url, "/v1/completions", {**GOOD, "prompt": "w42 w42 w42"})))
+  stuck.start()
+  try:
+    assert entered.wait(60)
+    t0 = time.monotonic()
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 < 5
+  finally:
+    release.set()
+    stuck.join(60)
+  assert result["r"].status_code == 200
+  assert threads and threads[0].startswith("redrafter-parse")
+
+
+def test_body_over_the_limit_is_413(one_slot):
+  srv, engine = one_slot
+  app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL, max_body_bytes=200)
+  with ServerThread(app) as small:
+    ok = {**GOOD, "prompt": "w1 " * 20}
+    assert _post(small.url, "/v1/completions", ok).status_code == 200
+    big = json.dumps({**GOOD, "prompt": "w1 " * 100}).encode()
+    r = _post(small.url, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    chunked = httpx.post(f"{small.url}/v1/chat/completions", content=iter([big[:150], big[150:]]),
+                         headers={"content-type": "application/json"}, timeout=30)
+    assert "content-length" not in chunked.request.headers
+    assert chunked.status_code == 413, chunked.text
+    assert _metric(small.url, 'redrafter_rejected_requests_total{reason="too_large"}') >= 2
+    assert _post(small.url, "/v1/completions", ok).status_code == 200

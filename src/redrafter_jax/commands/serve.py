@@ -26,6 +26,8 @@ def add_arguments(p):
                  help="max_tokens when a request gives none (default: decode.max_new_tokens)")
   p.add_argument("--max-queue", type=int, default=64,
                  help="requests that may wait for a slot; more get HTTP 429")
+  p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                 help="largest request body accepted; larger ones get HTTP 413 (default 1 MiB)")
   p.add_argument("--devices", type=int, default=None,
                  help="devices on the tensor-parallel model axis (default: all local devices)")
   p.add_argument("--served-model-name", default=None,
@@ -43,6 +45,7 @@ def run(args) -> int:
       preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
       default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
       speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
-      devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup)
+      devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,
+      max_body_bytes=args.max_body_bytes)
   server.serve_forever(srv, args.host, args.port)
   return 0

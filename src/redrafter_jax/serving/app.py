@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream wit
 events when ``stream`` is true: ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Handlers run on the event loop; the engine runs in its own thread. Each prompt becomes one
+Handlers run on the event loop; reading a body is bounded (413 beyond ``max_body_bytes``), and
+parsing, chat templating and tokenization run in worker threads (``body.ParsePool``), so a big
+body never blocks ``/health`` or a stream. The engine runs in its own thread. Each prompt becomes one
 engine request whose events come back through ``loop.call_soon_threadsafe`` into an asyncio
 queue. A client that goes away cancels its requests (their slots free at the next step):
 streaming responses notice through Starlette's disconnect handling, plain ones by polling.
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redrafter_jax import tokenizer as tokenizer_lib
 from redrafter_jax.serving import protocol
+from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES, ParsePool, read_body
 from redrafter_jax.serving.engine import Engine
 from redrafter_jax.serving.request import (EngineStopped, Failed, Finished, GenerationRequest,
                                            QueueFull, RequestError)
@@ -96,17 +99,6 @@ class _Prepared:
   max_tokens_name: str = "max_tokens"  # the field the client used (chat has two names)
 
 
-def encode(tokenize, param: str) -> list[int]:
-  """Token ids, or a 400: text the tokenizer or chat template cannot take is the client's."""
-  try:
-    return tokenize()
-  except Exception as e:
-    what = "the chat template cannot format these messages" if param == "messages" else \
-        "the prompt cannot be tokenized"
-    raise APIError(400, f"{what}: {type(e).__name__}: {e}", param=param,
-                   code="invalid_value") from None
-
-
 def _failure(event: Failed) -> APIError:
   """The error a failed engine request becomes: 503 if the server is stopping, else 500."""
   status = 503 if event.code == "shutting_down" else 500
@@ -118,10 +110,12 @@ def _sse(obj) -> str:
 
 
 def create_app(engine: Engine, tokenizer, *, model_name: str,
-               defaults: SamplingDefaults = SamplingDefaults()) -> FastAPI:
+               defaults: SamplingDefaults = SamplingDefaults(),
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
   app = FastAPI(title="redrafter_jax", description="ReDrafter speculative decoding, "
                 "OpenAI-compatible", docs_url=None, redoc_url=None)
   started = int(time.time())
+  parse_pool = app.state.parse_pool = ParsePool()
 
   def reject(status: int) -> None:
     """Count a refused request (429s are counted by the engine, which raises them)."""
@@ -268,6 +262,16 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
     finally:  # also on disconnect (the generator is cancelled): free the slots
       run.cancel()
 
+  def encode(param: str, fn, *args, **kwargs) -> list[int]:
+    """Token ids, or a 400: text the tokenizer or chat template cannot take is the client's."""
+    try:
+      return parse_pool.tokenize(fn, *args, **kwargs)
+    except Exception as e:
+      what = "the chat template cannot format these messages" if param == "messages" else \
+          "the prompt cannot be tokenized"
+      raise APIError(400, f"{what}: {type(e).__name__}: {e}", param=param,
+                     code="invalid_value") from None
+
   def prepare_completion(raw: bytes) -> _Prepared:
     body = protocol.parse(protocol.CompletionRequest, raw)
     check_model(body)
@@ -276,7 +280,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
       if isinstance(p, str):
         if not p:
           raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-        p = encode(lambda: tokenizer_lib.encode(tokenizer, p, chat=False), "prompt")
+        p = encode("prompt", tokenizer_lib.encode, tokenizer, p, chat=False)
       prompts.append(p)
     if not prompts:
       raise APIError(400, "no prompt given", param="prompt", code="empty_prompt")
@@ -288,7 +292,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
     if not body.messages:
       raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
     messages = [m.as_template_message() for m in body.messages]
-    ids = encode(lambda: tokenizer_lib.encode_messages(tokenizer, messages), "messages")
+    ids = encode("messages", tokenizer_lib.encode_messages, tokenizer, messages)
     name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = body.max_tokens if body.max_completion_tokens is None \
         else body.max_completion_tokens
@@ -296,12 +300,14 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    prepared = prepare_completion(await request.body())
+    raw = await read_body(request, max_body_bytes)
+    prepared = await parse_pool.run(prepare_completion, raw)
     return await respond(request, prepared.body, start(prepared), chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
-    prepared = prepare_chat(await request.body())
+    raw = await read_body(request, max_body_bytes)
+    prepared = await parse_pool.run(prepare_chat, raw)
     return await respond(request, prepared.body, start(prepared), chat=True)
 
   return app

@@ -17,6 +17,7 @@ from flax import nnx
 
 from redrafter_jax.config import ConfigError, Preset
 from redrafter_jax.serving.app import SamplingDefaults, create_app
+from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES
 from redrafter_jax.serving.engine import Engine, EngineConfig, GenerationRequest
 from redrafter_jax.serving.placement import serving_mesh
 
@@ -58,7 +59,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
           max_tokens: int = 512, default_max_tokens: int | None = None, max_queue: int = 64,
           speculative: bool = True, drafter_path: str | None = None,
           random_drafter: bool = False, devices: int | None = None,
-          model_name: str | None = None, warmup: bool = False) -> Server:
+          model_name: str | None = None, warmup: bool = False,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Server:
   """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
 
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
@@ -89,7 +91,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   d = preset.decode
   name = model_name or preset.model
   app = create_app(engine, tok, model_name=name,
-                   defaults=SamplingDefaults(d.temperature, d.top_p, d.top_k))
+                   defaults=SamplingDefaults(d.temperature, d.top_p, d.top_k),
+                   max_body_bytes=max_body_bytes)
   log.info("serving %s (%s, %d slots, %d device(s) on the model axis)", name, engine.mode,
            engine_config.slots, mesh.shape["model"])
   return Server(app, engine, name)
