@@ -451,3 +451,43 @@ def test_body_over_the_limit_is_413(one_slot):
     assert chunked.status_code == 413, chunked.text
     assert _metric(small.url, 'redrafter_rejected_requests_total{reason="too_large"}') >= 2
     assert _post(small.url, "/v1/completions", ok).status_code == 200
+
+
+@pytest.mark.parametrize("finishes", [True, False])
+def test_shutdown_drains_requests_in_flight(one_slot, finishes):
+  """Stopping the HTTP server: new requests get 503 and /health says draining while a request
+  is in flight; that request finishes within the grace (finish_reason, then [DONE]) or, past
+  the grace, ends with a shutting_down error event, then [DONE]. The engine is left idle."""
+  srv, engine = one_slot
+  app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL)
+  http = ServerThread(app, shutdown_grace=60 if finishes else 0.5).start()
+  body = {**LONG, "max_tokens": 3 if finishes else 400, "stream": True}
+  GATE.clear()
+  stopper = threading.Thread(target=http.stop)
+  try:
+    with httpx.stream("POST", f"{http.url}/v1/completions", json=body, timeout=120) as s:
+      lines = s.iter_lines()
+      first = next(line for line in lines if line.startswith("data: "))
+      stopper.start()
+      _wait(lambda: _health_status(http.url) == 503)
+      assert httpx.get(f"{http.url}/health", timeout=10).json()["status"] == "draining"
+      refused = _post(http.url, "/v1/completions", GOOD)
+      assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+      if finishes:
+        GATE.set()
+      events = [first[6:]] + [line[6:] for line in lines if line.startswith("data: ")]
+  finally:
+    GATE.set()
+    stopper.join(60)
+  assert not stopper.is_alive()
+  assert events[-1] == "[DONE]"
+  last = json.loads(events[-2])
+  if finishes:
+    assert last["choices"][0]["finish_reason"] == "length"
+  else:
+    assert last["error"]["code"] == "shutting_down"
+  _wait(lambda: engine.active_slots() == 0 and engine._load == 0)
+
+
+def _health_status(url) -> int:
+  return httpx.get(f"{url}/health", timeout=10).status_code

@@ -28,6 +28,9 @@ def add_arguments(p):
                  help="requests that may wait for a slot; more get HTTP 429")
   p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                  help="largest request body accepted; larger ones get HTTP 413 (default 1 MiB)")
+  p.add_argument("--shutdown-grace", type=float, default=30.0,
+                 help="seconds requests in flight get to finish after SIGTERM/SIGINT (new ones "
+                      "get 503); then they end with an error event (default 30)")
   p.add_argument("--devices", type=int, default=None,
                  help="devices on the tensor-parallel model axis (default: all local devices)")
   p.add_argument("--served-model-name", default=None,
@@ -47,5 +50,5 @@ def run(args) -> int:
       speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
       devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,
       max_body_bytes=args.max_body_bytes)
-  server.serve_forever(srv, args.host, args.port)
+  server.serve_forever(srv, args.host, args.port, shutdown_grace=args.shutdown_grace)
   return 0

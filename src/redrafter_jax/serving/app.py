@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import time
+import weakref
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -75,6 +76,12 @@ class _Run:
     for h in self.handles:
       h.cancel()
 
+  def abort(self, message: str) -> None:
+    """End the run now (from the event loop): its reader sees ``Failed`` (shutting_down) next,
+    and the engine frees its slots at its next step."""
+    self.cancel()
+    self.queue.put_nowait((0, Failed(message, "shutting_down")))
+
   async def events(self, request: Request | None) -> AsyncIterator[tuple[int, object]]:
     """Events until every request has ended; ``request`` given: poll for a disconnect."""
     remaining = len(self.handles)
@@ -116,6 +123,27 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
                 "OpenAI-compatible", docs_url=None, redoc_url=None)
   started = int(time.time())
   parse_pool = app.state.parse_pool = ParsePool()
+  runs: weakref.WeakSet[_Run] = weakref.WeakSet()  # in flight (weak: a stream never started
+                                                   # is forgotten with its response)
+  state = {"draining": False}
+
+  async def drain(grace: float) -> None:
+    """Stop admitting (503), let runs in flight finish for up to ``grace`` seconds, then end
+    the rest with a final error event (streams) or a 503 (plain requests)."""
+    state["draining"] = True
+    deadline = time.monotonic() + grace
+    while runs and time.monotonic() < deadline:
+      await asyncio.sleep(0.05)
+    if runs:
+      log.warning("shutdown grace of %.1f s is over: ending %d request(s) in flight", grace,
+                  len(runs))
+      for run in list(runs):
+        run.abort("the server is shutting down")
+    deadline = time.monotonic() + 5.0  # their handlers write the last event and return
+    while runs and time.monotonic() < deadline:
+      await asyncio.sleep(0.05)
+
+  app.state.drain = drain
 
   def reject(status: int) -> None:
     """Count a refused request (429s are counted by the engine, which raises them)."""
@@ -145,10 +173,11 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
 
   @app.get("/health")
   async def health():
-    body = {"status": "ok" if engine.alive else "down", "mode": engine.mode,
+    status = "draining" if state["draining"] else "ok" if engine.alive else "down"
+    body = {"status": status, "mode": engine.mode,
             "slots": engine.config.slots, "active_slots": engine.active_slots(),
             "queue_length": engine.queue_length()}
-    return JSONResponse(body, status_code=200 if engine.alive else 503)
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
   @app.get("/metrics")
   async def metrics():
@@ -185,7 +214,13 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
                               top_p=top_p, top_k=top_k, seed=body.seed,
                               stop=tuple(body.stop_list())) for p in prompts]
 
+  def check_admitting() -> None:
+    if state["draining"]:
+      raise APIError(503, "the server is shutting down; retry on another instance",
+                     type="server_error", code="shutting_down")
+
   def start(prepared: _Prepared) -> _Run:
+    check_admitting()
     requests, capacity = prepared.requests, engine.config.slots + engine.config.max_queue
     if len(requests) > capacity:
       raise APIError(400, f"{len(requests)} prompts in one request; this server holds at most "
@@ -194,7 +229,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
     try:
       for r in requests:  # every prompt is checked before any is queued
         engine.check(r)
-      return _Run(engine, requests)
+      run = _Run(engine, requests)
+      runs.add(run)
+      return run
     except RequestError as e:
       param, message = e.param, str(e)
       if param == "max_tokens" and prepared.max_tokens_name != param:
@@ -227,6 +264,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
       return Response(status_code=499)
     finally:
       run.cancel()  # no-op for requests that finished
+      runs.discard(run)
     choices = [("".join(t), r) for t, r in zip(texts, reasons)]
     build = protocol.chat_completion if chat else protocol.completion
     return build(rid, created, model_name, choices, protocol.merge_usage(usages))
@@ -261,6 +299,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
       yield "data: [DONE]\n\n"
     finally:  # also on disconnect (the generator is cancelled): free the slots
       run.cancel()
+      runs.discard(run)
 
   def encode(param: str, fn, *args, **kwargs) -> list[int]:
     """Token ids, or a 400: text the tokenizer or chat template cannot take is the client's."""
@@ -300,12 +339,14 @@ def create_app(engine: Engine, tokenizer, *, model_name: str,
 
   @app.post("/v1/completions")
   async def completions(request: Request):
+    check_admitting()
     raw = await read_body(request, max_body_bytes)
     prepared = await parse_pool.run(prepare_completion, raw)
     return await respond(request, prepared.body, start(prepared), chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
+    check_admitting()
     raw = await read_body(request, max_body_bytes)
     prepared = await parse_pool.run(prepare_chat, raw)
     return await respond(request, prepared.body, start(prepared), chat=True)
