@@ -89,9 +89,13 @@ def test_sigterm_lets_a_request_in_flight_finish_and_exits_0():
 
 
 def test_sigterm_on_an_idle_server_exits_0():
-  proc, url, lines = _start_serve("--no-warmup")
+  """(With --api-key, which guards /v1 only.)"""
+  proc, url, lines = _start_serve("--no-warmup", "--api-key", "k3y")
   try:
     assert httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k3y"},
+                     timeout=30).status_code == 200
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, "".join(lines)
   finally:

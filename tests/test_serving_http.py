@@ -20,7 +20,7 @@ from redrafter_jax import tokenizer as tokenizer_lib
 from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.decode import decode
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving import loadtest, protocol, testing
+from redrafter_jax.serving import access, loadtest, protocol, testing
 from redrafter_jax.serving.app import create_app
 from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.server import ServerThread
@@ -491,3 +491,36 @@ def test_shutdown_drains_requests_in_flight(one_slot, finishes):
 
 def _health_status(url) -> int:
   return httpx.get(f"{url}/health", timeout=10).status_code
+
+
+def test_api_key_cors_and_allowed_hosts(one_slot):
+  """With a key, /v1 routes need 'Authorization: Bearer KEY' (the openai client sends it) and
+  /health stays open; CORS answers the configured origin only; an unlisted Host gets 400."""
+  srv, engine = one_slot
+  app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL)
+  unauthorized = engine.metrics.rejected.labels(reason="unauthorized")
+  access.protect(app, api_key="s3cret", cors_origins=["https://app.example"],
+                 allowed_hosts=["127.0.0.1", "localhost"], on_reject=unauthorized.inc)
+  before = unauthorized._value.get()
+  with ServerThread(app) as http:
+    url = http.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+      r = httpx.post(f"{url}/v1/completions", json=GOOD, headers=headers, timeout=30)
+      assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert unauthorized._value.get() == before + 4
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+    assert good.completions.create(model=MODEL, prompt="w1", max_tokens=2).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(f"{url}/v1/completions", headers=preflight, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.options(f"{url}/v1/completions", timeout=30,
+                      headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{url}/health", headers={"Host": "evil.example"}, timeout=30)
+    assert r.status_code == 400

@@ -13,10 +13,12 @@ import logging
 import socket
 import threading
 import time
+from typing import Sequence
 
 from flax import nnx
 
 from redrafter_jax.config import ConfigError, Preset
+from redrafter_jax.serving import access
 from redrafter_jax.serving.app import SamplingDefaults, create_app
 from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES
 from redrafter_jax.serving.engine import Engine, EngineConfig, GenerationRequest
@@ -62,7 +64,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
           speculative: bool = True, drafter_path: str | None = None,
           random_drafter: bool = False, devices: int | None = None,
           model_name: str | None = None, warmup: bool = False,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Server:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+          cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()) -> Server:
   """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
 
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
@@ -95,6 +98,12 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   app = create_app(engine, tok, model_name=name,
                    defaults=SamplingDefaults(d.temperature, d.top_p, d.top_k),
                    max_body_bytes=max_body_bytes)
+  unauthorized = engine.metrics.rejected.labels(reason="unauthorized")
+  access.protect(app, api_key=api_key, cors_origins=cors_origins, allowed_hosts=allowed_hosts,
+                 on_reject=unauthorized.inc)
+  log.info("API key: %s; CORS origins: %s; allowed Host names: %s",
+           "required on /v1" if api_key else "none (open)", ", ".join(cors_origins) or "none",
+           ", ".join(allowed_hosts) or "any")
   log.info("serving %s (%s, %d slots, %d device(s) on the model axis)", name, engine.mode,
            engine_config.slots, mesh.shape["model"])
   return Server(app, engine, name)
