@@ -25,6 +25,15 @@ def test_serve_without_a_drafter_is_a_clear_error(capsys):
   assert "drafter not found: /nonexistent/drafter" in capsys.readouterr().err
 
 
+def test_loadtest_compare_default_preset_has_a_drafter():
+  """`loadtest --compare` as the README writes it (no --config) serves a preset with a
+  drafter, so it runs instead of exiting 2."""
+  from redrafter_jax.config import load_preset
+
+  args = loadtest.parser().parse_args(["--compare"])
+  assert load_preset(args.config).drafter_path is not None
+
+
 def test_loadtest_refuses_non_loopback_targets():
   with pytest.raises(SystemExit, match="loopback"):
     loadtest.main(["--url", "http://example.com:8000", "--requests", "1"])

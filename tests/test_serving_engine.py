@@ -244,6 +244,12 @@ def test_text_stream_partial_characters_and_stops():
   assert s2.push(list(b"d")) == "ENd"
   assert s2.push(list(b"E")) == ""
   assert s2.flush() == "E" and not s2.stopped
+  # The request ends inside a multi-byte character: the partial bytes are dropped, not U+FFFD.
+  s3 = TextStream(decode_bytes)
+  assert s3.push(list(b"na") + list("ï".encode())[:1]) == ""  # the window waits
+  assert s3.flush() == "na" and s3.text == "na"
+  s4 = TextStream(decode_bytes, stop=["x"])
+  assert s4.push(list("€".encode())[:2]) == "" and s4.flush() == ""
 
 
 def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
