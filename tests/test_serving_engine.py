@@ -300,3 +300,28 @@ def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
   assert engine.active_slots() == 0 and engine.queue_length() == 0 and engine._load == 0
   monkeypatch.undo()
   assert engine.generate(normal[0]).token_ids == alone[0]
+
+
+def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, reference):
+  """After ``warmup()`` requests of every prompt bucket and sampling mode (greedy, sampled,
+  top-k/top-p) are served without a single new compile, and greedy ones still equal
+  ``decode()`` (the warm-up leaves a clean batch)."""
+  cfg = dataclasses.replace(ECFG, max_context=64)
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  assert engine.warmup() > 0
+  assert engine._place.buckets() == [16, 32, 64]
+  compiled = engine._place.compiled_programs()
+  assert compiled == 3 * 2 + 3
+  greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
+  sampled = [GenerationRequest(PROMPTS[i], max_tokens=4, temperature=0.8, top_p=p, top_k=k,
+                               seed=i) for i, p, k in ((1, 1.0, 0), (4, 0.9, 0), (6, 1.0, 5))]
+  engine.start()
+  try:
+    got = [engine.generate(GenerationRequest(PROMPTS[i], max_tokens=4)).token_ids
+           for i in greedy]
+    for r in sampled:
+      assert len(engine.generate(r).token_ids) == 4
+    assert engine._place.compiled_programs() == compiled
+  finally:
+    engine.stop()
+  assert got == [expected(reference[i], 4) for i in greedy]

@@ -46,7 +46,8 @@ def add_arguments(p):
   p.add_argument("--served-model-name", default=None,
                  help="the model id clients use (default: the preset's model)")
   p.add_argument("--no-warmup", action="store_true",
-                 help="skip compiling the decode step before accepting requests")
+                 help="skip compiling every prompt bucket and step mode before accepting "
+                      "requests (the first request of each kind then waits for a compile)")
 
 
 def run(args) -> int:

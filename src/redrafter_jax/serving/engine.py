@@ -144,6 +144,18 @@ class Engine:
   def mode(self) -> str:
     return "redrafter" if self.config.speculative else "ar"
 
+  def warmup(self) -> float:
+    """Compile every prompt bucket and step mode now (before ``start``), so no request waits
+    for a compile on the engine thread; returns the seconds it took."""
+    if self._thread is not None:
+      raise RuntimeError("warmup() runs before start(): only the engine thread touches JAX then")
+    t0 = time.perf_counter()
+    self._place.warmup()
+    seconds = time.perf_counter() - t0
+    log.info("warm-up: compiled %d prompt buckets x filter on/off and 3 step modes in %.1f s",
+             len(self._place.buckets()), seconds)
+    return seconds
+
   def start(self) -> "Engine":
     if self._thread is None:
       self._thread = threading.Thread(target=self._loop, name="redrafter-engine", daemon=True)

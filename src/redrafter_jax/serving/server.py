@@ -21,7 +21,7 @@ from redrafter_jax.config import ConfigError, Preset
 from redrafter_jax.serving import access
 from redrafter_jax.serving.app import SamplingDefaults, create_app
 from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES
-from redrafter_jax.serving.engine import Engine, EngineConfig, GenerationRequest
+from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.placement import serving_mesh
 from redrafter_jax.serving.shutdown import make_server
 
@@ -87,12 +87,9 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   engine = Engine(llm, tok, drafter, config=engine_config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
   del llm, drafter  # the engine holds the placed copies
-  engine.start()
   if warmup:
-    t0 = time.perf_counter()
-    engine.generate(GenerationRequest(prompt_ids=[0], max_tokens=2), timeout=600)
-    log.info("warm-up (compiling the step and the first prompt bucket) took %.1f s",
-             time.perf_counter() - t0)
+    engine.warmup()
+  engine.start()
   d = preset.decode
   name = model_name or preset.model
   app = create_app(engine, tok, model_name=name,
