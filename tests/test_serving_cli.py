@@ -1,6 +1,16 @@
-"""``redrafter-jax serve`` / ``serve.py`` and the load test's compare mode (which starts the
-server twice as a subprocess on loopback: ReDrafter, then AR)."""
+"""``redrafter-jax serve`` / ``serve.py`` (as a subprocess: graceful shutdown on SIGTERM, exit
+status 0) and the load test's compare mode (which starts the server twice as a subprocess on
+loopback: ReDrafter, then AR)."""
 
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
 import pytest
 
 from redrafter_jax import cli
@@ -13,6 +23,15 @@ def test_serve_without_a_drafter_is_a_clear_error(capsys):
   assert cli.main(["serve", "--config", "configs/tiny.yaml", "--port", "0", "--drafter",
                    "/nonexistent/drafter"]) == 2
   assert "drafter not found: /nonexistent/drafter" in capsys.readouterr().err
+
+
+def test_loadtest_compare_default_preset_has_a_drafter():
+  """`loadtest --compare` as the README writes it (no --config) serves a preset with a
+  drafter, so it runs instead of exiting 2."""
+  from redrafter_jax.config import load_preset
+
+  args = loadtest.parser().parse_args(["--compare"])
+  assert load_preset(args.config).drafter_path is not None
 
 
 def test_loadtest_refuses_non_loopback_targets():
@@ -29,3 +48,65 @@ def test_loadtest_compare_starts_both_servers(capsys):
   assert code == 0, out
   assert "redrafter" in out and " ar" in out and "speedup (throughput)" in out
   assert out.count("8/8") >= 2
+
+
+def _start_serve(*extra: str):
+  """``redrafter-jax serve`` on the tiny preset in a subprocess; returns it, its URL (read from
+  the 'listening on' line it prints) and its output lines so far (a reader thread appends)."""
+  src = str(pathlib.Path(__file__).resolve().parents[1] / "src")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "redrafter_jax.cli", "serve", "--config", "configs/tiny.yaml",
+       "--random-drafter", "--devices", "1", "--port", "0", "--slots", "2", "--max-tokens", "64",
+       *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  lines, listening = [], threading.Event()
+
+  def read():
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("listening on http://"):
+        listening.set()
+
+  threading.Thread(target=read, daemon=True).start()
+  if not listening.wait(300):
+    proc.kill()
+    raise AssertionError("the server did not print its address:\n" + "".join(lines))
+  url = next(line for line in lines if line.startswith("listening on ")).split()[2]
+  return proc, url, lines
+
+
+def test_sigterm_lets_a_request_in_flight_finish_and_exits_0():
+  """SIGTERM with a stream in flight (its first step still compiling: no warm-up): the stream
+  ends with its finish_reason and [DONE], and the process exits 0."""
+  proc, url, lines = _start_serve("--no-warmup", "--shutdown-grace", "120")
+  try:
+    body = {"model": "random:tiny", "prompt": "Hello", "max_tokens": 48, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as s:
+      events = s.iter_lines()
+      first = next(line for line in events if line.startswith("data: "))
+      proc.send_signal(signal.SIGTERM)
+      rest = [line[6:] for line in events if line.startswith("data: ")]
+    assert proc.wait(120) == 0, "".join(lines)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  chunks = [json.loads(first[6:])] + [json.loads(e) for e in rest[:-1]]
+  assert rest[-1] == "[DONE]"
+  assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop"), chunks[-1]
+  assert any("shutting down" in line.lower() for line in lines), "".join(lines)
+
+
+def test_sigterm_on_an_idle_server_exits_0():
+  """(With --api-key, which guards /v1 only.)"""
+  proc, url, lines = _start_serve("--no-warmup", "--api-key", "k3y")
+  try:
+    assert httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k3y"},
+                     timeout=30).status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, "".join(lines)
+  finally:
+    if proc.poll() is None:
+      proc.kill()

@@ -14,8 +14,8 @@ from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
 from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving.engine import (Delta, Engine, EngineConfig, Finished, GenerationRequest,
-                                          QueueFull, RequestError)
+from redrafter_jax.serving.engine import (Delta, Engine, EngineConfig, Failed, Finished,
+                                          GenerationRequest, QueueFull, RequestError)
 from redrafter_jax.serving.placement import serving_mesh
 from redrafter_jax.serving.textstream import TextStream
 
@@ -192,11 +192,23 @@ def test_bad_requests_are_refused(self_engine):
          (GenerationRequest([5], temperature=-0.5), "temperature"),
          (GenerationRequest([5], top_p=0.0), "top_p"),
          (GenerationRequest([5], top_k=-1), "top_k"),
-         (GenerationRequest([5], stop=[""]), "stop")]
+         (GenerationRequest([5], stop=[""]), "stop"),
+         # What the device arrays cannot hold (int32, float32) is refused here too, so no
+         # caller can reach a failing conversion on the engine thread.
+         (GenerationRequest([5], temperature=0.7, top_k=2**31), "top_k"),
+         (GenerationRequest([5], temperature=1e-40), "temperature"),
+         (GenerationRequest([5], temperature=float("nan")), "temperature"),
+         (GenerationRequest([5], temperature=float("inf")), "temperature"),
+         (GenerationRequest([5], temperature=0.5, top_p=1e-46), "top_p"),
+         (GenerationRequest([5], top_p=float("nan")), "top_p"),
+         (GenerationRequest([5], seed=2**64), "seed"),
+         (GenerationRequest([5], max_tokens=2**31), "max_tokens"),
+         (GenerationRequest([5], stop=["x" * 257]), "stop")]
   for request, param in bad:
     with pytest.raises(RequestError) as e:
       self_engine.submit(request, lambda _: None)
     assert e.value.param == param, (request, str(e.value))
+    assert e.value.code, (request, str(e.value))
   assert self_engine.generate(GenerationRequest([5], max_tokens=2)).finish_reason == "length"
 
 
@@ -242,3 +254,84 @@ def test_text_stream_partial_characters_and_stops():
   assert s2.push(list(b"d")) == "ENd"
   assert s2.push(list(b"E")) == ""
   assert s2.flush() == "E" and not s2.stopped
+  # The request ends inside a multi-byte character: the partial bytes are dropped, not U+FFFD.
+  s3 = TextStream(decode_bytes)
+  assert s3.push(list(b"na") + list("ï".encode())[:1]) == ""  # the window waits
+  assert s3.flush() == "na" and s3.text == "na"
+  s4 = TextStream(decode_bytes, stop=["x"])
+  assert s4.push(list("€".encode())[:2]) == "" and s4.flush() == ""
+
+
+def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
+  """A fault in one request's prefill, and one in another's detokenization mid-generation,
+  fail those two (Failed, slot freed); the requests beside them finish with exactly the
+  tokens they get alone, and the engine stays idle-clean and serving."""
+  from redrafter_jax.serving import engine as engine_lib
+
+  engine = self_engine
+  normal = [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in (0, 2, 4, 6, 9)]
+  normal.append(GenerationRequest(PROMPTS[5], max_tokens=20, temperature=1.0, seed=3))
+  alone = [engine.generate(r).token_ids for r in normal]
+  poison_prefill = GenerationRequest([7, 7, 7], max_tokens=10)
+  poison_text = GenerationRequest(PROMPTS[1], max_tokens=24, stop=["POISON"])
+
+  real_admit = engine._place.admit
+
+  def admit(slot, prompt, *args):
+    if prompt == [7, 7, 7]:
+      raise OverflowError("injected prefill fault")
+    return real_admit(slot, prompt, *args)
+
+  class FaultyText(TextStream):
+    def push(self, ids):
+      if "POISON" in self._stop and len(self._ids) >= 3:
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "injected detokenizer fault")
+      return super().push(ids)
+
+  monkeypatch.setattr(engine._place, "admit", admit)
+  monkeypatch.setattr(engine_lib, "TextStream", FaultyText)
+  errors_before = engine.metrics.requests.labels(finish_reason="error")._value.get()
+  requests = normal[:3] + [poison_prefill, poison_text] + normal[3:]
+  events = queue.Queue()
+  for i, r in enumerate(requests):
+    engine.submit(r, lambda e, i=i: events.put((i, e)))
+  ended = {}
+  deadline = time.monotonic() + 300
+  while len(ended) < len(requests):
+    i, e = events.get(timeout=max(deadline - time.monotonic(), 0.01))
+    if isinstance(e, (Finished, Failed)):
+      ended[i] = e
+  assert isinstance(ended[3], Failed) and "injected prefill fault" in ended[3].message
+  assert isinstance(ended[4], Failed) and "injected detokenizer fault" in ended[4].message
+  assert ended[3].code == ended[4].code == "internal_error"
+  got = [ended[i].token_ids for i in (0, 1, 2, 5, 6, 7)]
+  assert got == alone
+  assert engine.metrics.requests.labels(finish_reason="error")._value.get() == errors_before + 2
+  assert engine.active_slots() == 0 and engine.queue_length() == 0 and engine._load == 0
+  monkeypatch.undo()
+  assert engine.generate(normal[0]).token_ids == alone[0]
+
+
+def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, reference):
+  """After ``warmup()`` requests of every prompt bucket and sampling mode (greedy, sampled,
+  top-k/top-p) are served without a single new compile, and greedy ones still equal
+  ``decode()`` (the warm-up leaves a clean batch)."""
+  cfg = dataclasses.replace(ECFG, max_context=64)
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  assert engine.warmup() > 0
+  assert engine._place.buckets() == [16, 32, 64]
+  compiled = engine._place.compiled_programs()
+  assert compiled == 3 * 2 + 3
+  greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
+  sampled = [GenerationRequest(PROMPTS[i], max_tokens=4, temperature=0.8, top_p=p, top_k=k,
+                               seed=i) for i, p, k in ((1, 1.0, 0), (4, 0.9, 0), (6, 1.0, 5))]
+  engine.start()
+  try:
+    got = [engine.generate(GenerationRequest(PROMPTS[i], max_tokens=4)).token_ids
+           for i in greedy]
+    for r in sampled:
+      assert len(engine.generate(r).token_ids) == 4
+    assert engine._place.compiled_programs() == compiled
+  finally:
+    engine.stop()
+  assert got == [expected(reference[i], 4) for i in greedy]

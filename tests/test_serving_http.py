@@ -20,7 +20,7 @@ import serving_doubles as testing
 from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving import loadtest
+from redrafter_jax.serving import access, loadtest, protocol
 from redrafter_jax.serving.app import create_app
 from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.server import ServerThread
@@ -158,47 +158,84 @@ def _post(url, path, body: bytes | str | dict):
 
 GOOD = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
-BAD = [  # (path, body, status, param)
-    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 400, "model"),
-    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 200)}, 400, "prompt"),
+BAD = [  # (path, body, status, param, code)
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt", "empty_prompt"),
+    ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt", "empty_prompt"),
+    ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 200)}, 400, "prompt",
+     "context_length_exceeded"),
     ("/v1/completions", {**GOOD, "prompt": " ".join(["w3"] * 100), "max_tokens": 30}, 400,
-     "max_tokens"),
-    ("/v1/completions", {**GOOD, "prompt": [1, 2, V + 1]}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "max_tokens": 10_000}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
-    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "w1"}, 400, "model"),
-    ("/v1/completions", '{"model": "tiny-test", "prompt": "w1"', 400, None),
-    ("/v1/completions", "[1, 2]", 400, None),
-    ("/v1/completions", "", 400, None),
-    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+     "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 2, V + 1]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "prompt": [[1]] * 37}, 400, "prompt", "too_many_prompts"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens",
+     "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": 10_000}, 400, "max_tokens",
+     "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": 2**31}, 400, "max_tokens",
+     "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature",
+     "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "temperature": 2.5}, 400, "temperature",
+     "decimal_above_max_value"),
+    ("/v1/completions", {**GOOD, "temperature": 1e-9}, 400, "temperature",
+     "decimal_below_min_value"),
+    ("/v1/completions", '{"model": "tiny-test", "prompt": "w1", "temperature": NaN}', 400,
+     "temperature", "invalid_value"),
+    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p", "decimal_above_max_value"),
+    ("/v1/completions", {**GOOD, "top_p": 1e-50}, 400, "top_p", "decimal_below_min_value"),
+    ("/v1/completions", {**GOOD, "temperature": 0.7, "top_k": 2**31}, 400, "top_k",
+     "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "top_k": -2}, 400, "top_k", "integer_below_min_value"),
+    ("/v1/completions", {**GOOD, "seed": 2**64}, 400, "seed", "integer_above_max_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "invalid_type"),
+    ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt", "invalid_type"),
+    ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "array_above_max_length"),
+    ("/v1/completions", {**GOOD, "stop": "x" * 300}, 400, "stop", "invalid_value"),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "w1"}, 400, "model", "missing_required_parameter"),
+    ("/v1/completions", '{"model": "tiny-test", "prompt": "w1"', 400, None, "invalid_json"),
+    ("/v1/completions", "[1, 2]", 400, None, "invalid_json"),
+    ("/v1/completions", "", 400, None, "invalid_json"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", "empty_prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages", "invalid_type"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
-     "messages"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+     "messages", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "integer_below_min_value"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 33}, 400,
+     "max_completion_tokens", "integer_above_max_value"),
 ]
 
 
 def test_bad_input_gets_4xx_and_the_server_keeps_serving(server):
-  for path, body, status, param in BAD:
+  refused = _metric(server.url, 'redrafter_rejected_requests_total{reason="bad_request"}')
+  for path, body, status, param, code in BAD:
     r = _post(server.url, path, body)
     assert r.status_code == status, (body, r.text)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
-    assert err["param"] == param, (body, err)
+    assert (err["param"], err["code"]) == (param, code), (body, err)
     good = _post(server.url, "/v1/completions", GOOD)
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
   assert httpx.get(f"{server.url}/v1/nothing", timeout=10).json()["error"]["code"] == "not_found"
+  # Every 400 is counted (the 404s under their own reason).
+  assert _metric(server.url, 'redrafter_rejected_requests_total{reason="bad_request"}') == \
+      refused + sum(status == 400 for _, _, status, _, _ in BAD)
+  assert _metric(server.url, 'redrafter_rejected_requests_total{reason="not_found"}') >= 2
+
+
+def test_error_messages_name_the_field():
+  """Messages say which field (nested ones by their path) and which name the client used."""
+  with pytest.raises(protocol.APIError) as e:
+    protocol.parse(protocol.ChatCompletionRequest,
+                   json.dumps({**CHAT, "messages": [{"content": "w1"}]}).encode())
+  assert "'messages[0].role' is required" in e.value.message
+  assert e.value.code == "missing_required_parameter"
 
 
 def _wait(predicate, timeout=120.0):
@@ -344,3 +381,147 @@ def test_small_load_test_all_complete(server, capsys):
   assert report["latency_p99_s"] >= report["latency_p50_s"] > 0
   assert report["tokens_per_step"] > 1  # the self-drafter's drafts were accepted
   assert "16/16" in out and "latency p99" in out
+
+
+def test_an_engine_fault_is_a_500_for_that_request_only(one_slot, monkeypatch):
+  srv, engine = one_slot
+  real_admit = engine._place.admit
+
+  def admit(slot, prompt, *args):
+    if prompt == encode(testing.word_tokenizer(V), "w9 w9 w9"):
+      raise OverflowError("injected fault")
+    return real_admit(slot, prompt, *args)
+
+  monkeypatch.setattr(engine._place, "admit", admit)
+  poison = {**GOOD, "prompt": "w9 w9 w9"}
+  r = _post(srv.url, "/v1/completions", poison)
+  assert r.status_code == 500, r.text
+  err = r.json()["error"]
+  assert err["code"] == "internal_error" and "injected fault" in err["message"]
+  with httpx.stream("POST", f"{srv.url}/v1/completions", json={**poison, "stream": True},
+                    timeout=60) as s:
+    events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+  assert json.loads(events[0])["error"]["code"] == "internal_error" and events[-1] == "[DONE]"
+  assert _post(srv.url, "/v1/completions", GOOD).status_code == 200
+  assert _health(srv.url) == {**_health(srv.url), "status": "ok", "active_slots": 0,
+                              "queue_length": 0}
+
+
+def test_parsing_runs_off_the_event_loop(server, monkeypatch):
+  """While one request's tokenization is stuck, /health and other requests still answer: the
+  body is parsed and tokenized in a worker thread, not on the event loop."""
+  entered, release, threads = threading.Event(), threading.Event(), []
+  real_encode = tokenizer_lib.encode
+
+  def slow_encode(tok, text, **kwargs):
+    if text == "w42 w42 w42":
+      threads.append(threading.current_thread().name)
+      entered.set()
+      assert release.wait(60)
+    return real_encode(tok, text, **kwargs)
+
+  monkeypatch.setattr(tokenizer_lib, "encode", slow_encode)
+  result = {}
+  stuck = threading.Thread(target=lambda: result.update(
+      r=_post(server.url, "/v1/completions", {**GOOD, "prompt": "w42 w42 w42"})))
+  stuck.start()
+  try:
+    assert entered.wait(60)
+    t0 = time.monotonic()
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 < 5
+  finally:
+    release.set()
+    stuck.join(60)
+  assert result["r"].status_code == 200
+  assert threads and threads[0].startswith("redrafter-parse")
+
+
+def test_body_over_the_limit_is_413(one_slot):
+  srv, engine = one_slot
+  app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL, max_body_bytes=200)
+  with ServerThread(app) as small:
+    ok = {**GOOD, "prompt": "w1 " * 20}
+    assert _post(small.url, "/v1/completions", ok).status_code == 200
+    big = json.dumps({**GOOD, "prompt": "w1 " * 100}).encode()
+    r = _post(small.url, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    chunked = httpx.post(f"{small.url}/v1/chat/completions", content=iter([big[:150], big[150:]]),
+                         headers={"content-type": "application/json"}, timeout=30)
+    assert "content-length" not in chunked.request.headers
+    assert chunked.status_code == 413, chunked.text
+    assert _metric(small.url, 'redrafter_rejected_requests_total{reason="too_large"}') >= 2
+    assert _post(small.url, "/v1/completions", ok).status_code == 200
+
+
+@pytest.mark.parametrize("finishes", [True, False])
+def test_shutdown_drains_requests_in_flight(one_slot, finishes):
+  """Stopping the HTTP server: new requests get 503 and /health says draining while a request
+  is in flight; that request finishes within the grace (finish_reason, then [DONE]) or, past
+  the grace, ends with a shutting_down error event, then [DONE]. The engine is left idle."""
+  srv, engine = one_slot
+  app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL)
+  http = ServerThread(app, shutdown_grace=60 if finishes else 0.5).start()
+  body = {**LONG, "max_tokens": 3 if finishes else 400, "stream": True}
+  GATE.clear()
+  stopper = threading.Thread(target=http.stop)
+  try:
+    with httpx.stream("POST", f"{http.url}/v1/completions", json=body, timeout=120) as s:
+      lines = s.iter_lines()
+      first = next(line for line in lines if line.startswith("data: "))
+      stopper.start()
+      _wait(lambda: _health_status(http.url) == 503)
+      assert httpx.get(f"{http.url}/health", timeout=10).json()["status"] == "draining"
+      refused = _post(http.url, "/v1/completions", GOOD)
+      assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+      if finishes:
+        GATE.set()
+      events = [first[6:]] + [line[6:] for line in lines if line.startswith("data: ")]
+  finally:
+    GATE.set()
+    stopper.join(60)
+  assert not stopper.is_alive()
+  assert events[-1] == "[DONE]"
+  last = json.loads(events[-2])
+  if finishes:
+    assert last["choices"][0]["finish_reason"] == "length"
+  else:
+    assert last["error"]["code"] == "shutting_down"
+  _wait(lambda: engine.active_slots() == 0 and engine._load == 0)
+
+
+def _health_status(url) -> int:
+  return httpx.get(f"{url}/health", timeout=10).status_code
+
+
+def test_api_key_cors_and_allowed_hosts(one_slot):
+  """With a key, /v1 routes need 'Authorization: Bearer KEY' (the openai client sends it) and
+  /health stays open; CORS answers the configured origin only; an unlisted Host gets 400."""
+  srv, engine = one_slot
+  app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL)
+  unauthorized = engine.metrics.rejected.labels(reason="unauthorized")
+  access.protect(app, api_key="s3cret", cors_origins=["https://app.example"],
+                 allowed_hosts=["127.0.0.1", "localhost"], on_reject=unauthorized.inc)
+  before = unauthorized._value.get()
+  with ServerThread(app) as http:
+    url = http.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+      r = httpx.post(f"{url}/v1/completions", json=GOOD, headers=headers, timeout=30)
+      assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert unauthorized._value.get() == before + 4
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+    assert good.completions.create(model=MODEL, prompt="w1", max_tokens=2).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(f"{url}/v1/completions", headers=preflight, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.options(f"{url}/v1/completions", timeout=30,
+                      headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{url}/health", headers={"Host": "evil.example"}, timeout=30)
+    assert r.status_code == 400

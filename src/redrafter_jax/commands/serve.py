@@ -1,5 +1,7 @@
 """``redrafter-jax serve --config PRESET.yaml``: an OpenAI-compatible HTTP server with ReDrafter."""
 
+import os
+
 HELP = "serve the model over an OpenAI-compatible HTTP API (ReDrafter, streaming, batching)"
 
 
@@ -26,12 +28,26 @@ def add_arguments(p):
                  help="max_tokens when a request gives none (default: decode.max_new_tokens)")
   p.add_argument("--max-queue", type=int, default=64,
                  help="requests that may wait for a slot; more get HTTP 429")
+  p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                 help="largest request body accepted; larger ones get HTTP 413 (default 1 MiB)")
+  p.add_argument("--shutdown-grace", type=float, default=30.0,
+                 help="seconds requests in flight get to finish after SIGTERM/SIGINT (new ones "
+                      "get 503); then they end with an error event (default 30)")
+  p.add_argument("--api-key", default=os.environ.get("REDRAFTER_API_KEY"),
+                 help="require 'Authorization: Bearer KEY' on /v1 routes (401 otherwise; "
+                      "/health and /metrics stay open); default: $REDRAFTER_API_KEY, else none")
+  p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                 help="let browser pages from ORIGIN call the API (repeatable; '*' for any)")
+  p.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                 help="accept only requests whose Host header names HOST (repeatable; "
+                      "'*.example.com' patterns); default: any Host")
   p.add_argument("--devices", type=int, default=None,
                  help="devices on the tensor-parallel model axis (default: all local devices)")
   p.add_argument("--served-model-name", default=None,
                  help="the model id clients use (default: the preset's model)")
   p.add_argument("--no-warmup", action="store_true",
-                 help="skip compiling the decode step before accepting requests")
+                 help="skip compiling every prompt bucket and step mode before accepting "
+                      "requests (the first request of each kind then waits for a compile)")
 
 
 def run(args) -> int:
@@ -43,6 +59,8 @@ def run(args) -> int:
       preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
       default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
       speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
-      devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup)
-  server.serve_forever(srv, args.host, args.port)
+      devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,
+      max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+      cors_origins=args.cors_origin, allowed_hosts=args.allowed_host)
+  server.serve_forever(srv, args.host, args.port, shutdown_grace=args.shutdown_grace)
   return 0

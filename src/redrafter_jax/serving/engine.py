@@ -8,6 +8,9 @@ The engine owns one thread, the only one that touches JAX after start-up. Its lo
      partial characters), and hand events to each request's ``sink``. A request that ends
      (stop token, stop string, max_tokens, cancelled) frees its slot at once.
 Requests wait in a bounded queue; ``submit`` raises ``QueueFull`` beyond it instead of blocking.
+A fault in one request's own work (its prefill, its detokenization or stop strings) fails that
+request alone (``Failed``, its slot freed) and the others carry on; only a failed batched step,
+which every row shares, fails all active requests (and starts a fresh batch).
 Sinks are called from the engine thread and must not block (the HTTP layer hands events over
 to its event loop).
 """
@@ -61,6 +64,10 @@ class EngineConfig:
     """Cache slots a row needs beyond its tokens: one step's uncommitted writes."""
     d = self.decode
     return d.beam_length + d.num_tree_tokens if self.speculative else 1
+
+
+def _fault_message(e: BaseException) -> str:
+  return f"internal error while generating: {type(e).__name__}: {e}"
 
 
 class Handle:
@@ -136,6 +143,18 @@ class Engine:
   @property
   def mode(self) -> str:
     return "redrafter" if self.config.speculative else "ar"
+
+  def warmup(self) -> float:
+    """Compile every prompt bucket and step mode now (before ``start``), so no request waits
+    for a compile on the engine thread; returns the seconds it took."""
+    if self._thread is not None:
+      raise RuntimeError("warmup() runs before start(): only the engine thread touches JAX then")
+    t0 = time.perf_counter()
+    self._place.warmup()
+    seconds = time.perf_counter() - t0
+    log.info("warm-up: compiled %d prompt buckets x filter on/off and 3 step modes in %.1f s",
+             len(self._place.buckets()), seconds)
+    return seconds
 
   def start(self) -> "Engine":
     if self._thread is None:
@@ -217,23 +236,26 @@ class Engine:
             self._wait_for_work()
         except Exception as e:  # a failed step must not take the server down
           log.exception("engine step failed; failing the active requests")
-          self._fail_active(f"internal error: {type(e).__name__}: {e}")
+          self._fail_active(_fault_message(e))
           self._place.reset()
     except BaseException as e:
       self.error = e
       log.exception("engine loop died")
       raise
     finally:
-      self._fail_active("the server is shutting down")
+      self._fail_active("the server is shutting down", "shutting_down")
       while not self._queue.empty():
-        self._emit(self._queue.get_nowait(), Failed("the server is shutting down"))
+        self._emit(self._queue.get_nowait(), Failed("the server is shutting down",
+                                                     "shutting_down"))
+      self.metrics.queue_length.set(0)
 
   def _wait_for_work(self) -> None:
     try:
       handle = self._queue.get(timeout=0.05)
     except queue.Empty:
       return
-    self._admit(handle, self._slots.index(None))
+    self.metrics.queue_length.set(self._queue.qsize())
+    self._admit_one(handle, self._slots.index(None))
 
   def _admit_waiting(self) -> None:
     while None in self._slots:
@@ -241,8 +263,26 @@ class Engine:
         handle = self._queue.get_nowait()
       except queue.Empty:
         break
-      self._admit(handle, self._slots.index(None))
+      self.metrics.queue_length.set(self._queue.qsize())
+      self._admit_one(handle, self._slots.index(None))
     self.metrics.queue_length.set(self._queue.qsize())
+
+  def _admit_one(self, handle: Handle, slot: int) -> None:
+    """Admit ``handle``; a fault in its prefill or first token fails this request only (all
+    active ones only if the fault consumed the shared batch)."""
+    try:
+      self._admit(handle, slot)
+    except Exception as e:
+      log.exception("request %d: admission failed", handle.id)
+      message = _fault_message(e)
+      if self._slots[slot] is not None and self._slots[slot].handle is handle:
+        self._fail_slot(slot, message)
+      else:
+        self.metrics.requests.labels(finish_reason="error").inc()
+        self._emit(handle, Failed(message))
+      if not self._place.batch_intact():
+        self._fail_active(message)
+        self._place.reset()
 
   def _admit(self, handle: Handle, slot: int) -> None:
     if handle.cancelled:
@@ -277,8 +317,12 @@ class Engine:
         active.steps += 1
         active.accepted += int(out.accepted_B[slot])
         accepted.append(int(out.accepted_B[slot]))
-      self._deliver(slot, out.tokens_BA[slot, :out.count_B[slot]].tolist(),
-                    device_done=bool(out.done_B[slot]))
+      try:
+        self._deliver(slot, out.tokens_BA[slot, :out.count_B[slot]].tolist(),
+                      device_done=bool(out.done_B[slot]))
+      except Exception as e:  # this request's own host-side work: it alone fails
+        log.exception("request %d: delivering its tokens failed", active.handle.id)
+        self._fail_slot(slot, _fault_message(e))
     self.metrics.observe_step(seconds, accepted)
 
   def _deliver(self, slot: int, new: list[int], *, device_done: bool = False) -> None:
@@ -323,13 +367,19 @@ class Engine:
                  total_tokens=len(handle.request.prompt_ids))
     self._emit(handle, Finished("", [], "cancelled", usage))
 
-  def _fail_active(self, message: str) -> None:
+  def _fail_active(self, message: str, code: str = "internal_error") -> None:
     for slot, active in enumerate(self._slots):
       if active is not None:
-        self._slots[slot] = None
-        self.metrics.requests.labels(finish_reason="error").inc()
-        self._emit(active.handle, Failed(message))
-    self.metrics.active_slots.set(0)
+        self._fail_slot(slot, message, code)
+
+  def _fail_slot(self, slot: int, message: str, code: str = "internal_error") -> None:
+    """End the request in ``slot`` with ``Failed`` and free the slot (its device row is left
+    to decode until the slot is reused, like any ended request's)."""
+    active = self._slots[slot]
+    self._slots[slot] = None
+    self.metrics.requests.labels(finish_reason="error").inc()
+    self.metrics.active_slots.set(self.active_slots())
+    self._emit(active.handle, Failed(message, code))
 
   def _emit(self, handle: Handle, event: Event) -> None:
     if isinstance(event, (Finished, Failed)):

@@ -251,7 +251,7 @@ def _load_kwargs(args) -> dict:
               timeout=args.request_timeout, deadline=args.deadline)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.serving.loadtest",
                               description=__doc__.splitlines()[0])
   target = p.add_mutually_exclusive_group(required=True)
@@ -270,13 +270,20 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--deadline", type=float, default=1800.0, help="seconds for the whole run")
   p.add_argument("--json", action="store_true", help="print the reports as JSON too")
   srv = p.add_argument_group("--compare: how to start the servers")
-  srv.add_argument("--config", default="configs/tiny.yaml")
+  srv.add_argument("--config", default="configs/smollm2_135m.yaml",
+                   help="preset to serve (default: SmolLM2-135M with the shipped drafter; a "
+                        "preset without drafter_path needs --drafter or --random-drafter)")
   srv.add_argument("--drafter", default=None)
   srv.add_argument("--random-drafter", action="store_true")
   srv.add_argument("--slots", type=int, default=8)
   srv.add_argument("--startup-timeout", type=float, default=900.0)
   srv.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="further `serve` arguments (last on the line)")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = parser()
   args = p.parse_args(argv)
   if min(args.requests, args.concurrency, args.max_tokens) < 1:
     p.error("--requests, --concurrency and --max-tokens must be >= 1")

@@ -61,7 +61,8 @@ class ServingMetrics:
         self.depth_rate.labels(depth=str(d))
     for reason in ("stop", "length", "cancelled", "error"):
       self.requests.labels(finish_reason=reason)
-    for reason in ("queue_full", "bad_request"):
+    for reason in ("queue_full", "bad_request", "unauthorized", "not_found", "too_large",
+                   "unavailable"):
       self.rejected.labels(reason=reason)
 
   def observe_step(self, seconds: float, accepted: list[int]) -> None:

@@ -90,6 +90,33 @@ class Placement:
 
     return jax.tree_util.tree_map_with_path(one, abstract_batch)
 
+  def buckets(self) -> list[int]:
+    """Every padded prompt length a request can have (prompts leave room for scratch + 1)."""
+    cfg = self.config
+    longest = max(cfg.max_context - cfg.scratch - 1, 1)
+    return sorted({prompt_bucket(n, cfg.min_bucket, cfg.max_context)
+                   for n in range(1, longest + 1)})
+
+  def warmup(self) -> None:
+    """Compile every program the server can meet by running each once: the prefill of each
+    prompt bucket with and without the top-k/top-p filter, and the step in each mode (greedy,
+    sampled, filtered). Then a fresh batch: serving never compiles."""
+    for T in self.buckets():
+      for filtered in (False, True):
+        self.admit(0, [0] * T, 0, 1.0 if filtered else 0.0, 0.5 if filtered else 1.0, 0, 1)
+    for filtered, greedy in ((False, True), (False, False), (True, False)):
+      self.step(filtered, greedy)
+    self.reset()
+
+  def compiled_programs(self) -> int:
+    """How many programs the jitted calls hold (grows when something compiles)."""
+    fns = list(self._admit_fns.values()) + list(self._step_fns.values())
+    return sum(fn._cache_size() for fn in fns)
+
+  def batch_intact(self) -> bool:
+    """False once a failed call has consumed (donated) the batch's buffers."""
+    return not any(x.is_deleted() for x in jax.tree.leaves(self.batch))
+
   def reset(self) -> None:
     """A fresh batch (all slots free), e.g. after a failed step left donated buffers behind."""
     self.batch = self._new_batch()

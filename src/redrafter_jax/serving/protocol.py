@@ -1,8 +1,11 @@
 """The OpenAI wire format: request models (strictly typed), errors, and response bodies.
 
 Requests are validated with pydantic in strict mode (a string where a number belongs is an
-error, not a conversion); any problem becomes an ``APIError`` whose body has OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``. Fields of the OpenAI API this server does
+error, not a conversion; NaN and infinities are refused) and every number is range-checked to
+what the engine's arrays hold; any problem becomes an ``APIError`` whose body has OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` with one of OpenAI's codes
+(``invalid_type``, ``integer_above_max_value``, ``missing_required_parameter``, ...). The
+engine checks every request again (``request.validate``): this layer gives the better message. Fields of the OpenAI API this server does
 not implement are accepted at their neutral values and refused otherwise, so a client never
 silently gets something other than what it asked for. Unknown fields are ignored, as OpenAI
 clients send a few newer ones.
@@ -14,7 +17,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from redrafter_jax.serving.request import INT32_MAX, MAX_TEMPERATURE, SEED_RANGE
 
 FIELD_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
@@ -24,12 +29,14 @@ FIELD_HINTS = {
 
 
 class APIError(Exception):
-  """An error response: HTTP status plus OpenAI's error object."""
+  """An error response: HTTP status plus OpenAI's error object. ``refusal``: the request was
+  turned away before any generation (counted in the ``rejected`` metric)."""
 
   def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-               param: str | None = None, code: str | None = None):
+               param: str | None = None, code: str | None = None, refusal: bool = True):
     super().__init__(message)
     self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+    self.refusal = refusal
 
   def body(self) -> dict[str, Any]:
     return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -37,7 +44,10 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-  model_config = ConfigDict(strict=True, extra="ignore")
+  model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+Count = Field(None, ge=1, le=INT32_MAX)  # max_tokens and its newer name
 
 
 class StreamOptions(_Strict):
@@ -48,11 +58,11 @@ class RequestBase(_Strict):
   """Fields shared by completions and chat completions."""
 
   model: str
-  max_tokens: int | None = None
-  temperature: float | None = None  # None: the server's default (the preset's)
-  top_p: float | None = None
-  top_k: int | None = None  # an extension (vLLM has it too); 0 = off
-  seed: int | None = None
+  max_tokens: int | None = Count
+  temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)  # None: the preset's
+  top_p: float | None = Field(None, gt=0, le=1)
+  top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # an extension (vLLM's): 0 or -1 = off
+  seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
   stop: str | list[str] | None = None
   stream: bool = False
   stream_options: StreamOptions | None = None
@@ -126,7 +136,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(RequestBase):
   messages: list[ChatMessage]
-  max_completion_tokens: int | None = None  # the newer name of max_tokens
+  max_completion_tokens: int | None = Count  # the newer name of max_tokens
   logprobs: bool = False
   tools: list[Any] | None = None
   response_format: dict[str, Any] | None = None
@@ -155,6 +165,31 @@ def parse(model: type[RequestBase], raw: bytes) -> RequestBase:
   return request
 
 
+_RANGE_CODES = {  # pydantic error type -> OpenAI's code, by the kind of number
+    ("greater_than_equal", True): "integer_below_min_value",
+    ("greater_than", True): "integer_below_min_value",
+    ("less_than_equal", True): "integer_above_max_value",
+    ("less_than", True): "integer_above_max_value",
+    ("greater_than_equal", False): "decimal_below_min_value",
+    ("greater_than", False): "decimal_below_min_value",
+    ("less_than_equal", False): "decimal_above_max_value",
+    ("less_than", False): "decimal_above_max_value",
+}
+
+
+def _where(loc) -> str:
+  """``('messages', 0, 'role')`` -> ``messages[0].role``."""
+  out = ""
+  for part in loc:
+    out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+  return out
+
+
+def _shown(value) -> str:
+  text = repr(value)
+  return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _validation_error(e: ValidationError) -> APIError:
   errors = e.errors(include_url=False)
   first = errors[0]
@@ -163,15 +198,20 @@ def _validation_error(e: ValidationError) -> APIError:
                     code="invalid_json")
   if not first["loc"]:
     return APIError(400, "the request body must be a JSON object", code="invalid_json")
-  param = str(first["loc"][0])
+  param, where = str(first["loc"][0]), _where(first["loc"])
   if first["type"] == "missing":
-    return APIError(400, f"'{param}' is required", param=param, code="missing_parameter")
+    return APIError(400, f"'{where}' is required", param=param,
+                    code="missing_required_parameter")
   same_field = [err for err in errors if err["loc"] and err["loc"][0] == first["loc"][0]]
   if len(same_field) > 1 and param in FIELD_HINTS:  # a union: pydantic reports every branch
     return APIError(400, f"'{param}' must be {FIELD_HINTS[param]}", param=param,
                     code="invalid_type")
-  where = ".".join(str(x) for x in first["loc"])
-  return APIError(400, f"'{where}': {first['msg']}", param=param, code="invalid_type")
+  is_int = isinstance(first.get("input"), int)
+  code = _RANGE_CODES.get((first["type"], is_int))
+  if code is None:
+    code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
+  return APIError(400, f"'{where}': {first['msg']}, got {_shown(first.get('input'))}",
+                  param=param, code=code)
 
 
 # ---------------------------------------------------------------------------- responses

@@ -2,7 +2,8 @@
 
 ``build`` loads everything; ``ServerThread`` runs uvicorn in a background thread on a socket
 bound before it starts (tests and the load test's own servers: no port races, bounded waits);
-``serve_forever`` runs it in the foreground until SIGINT/SIGTERM.
+``serve_forever`` runs it in the foreground until SIGINT/SIGTERM, then shuts down gracefully
+(``shutdown.GracefulServer``: in-flight requests get ``shutdown_grace`` seconds).
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import logging
 import socket
 import threading
 import time
+from typing import Sequence
 
 from flax import nnx
 
 from redrafter_jax.config import ConfigError, Preset
+from redrafter_jax.serving import access
 from redrafter_jax.serving.app import SamplingDefaults, create_app
-from redrafter_jax.serving.engine import Engine, EngineConfig, GenerationRequest
+from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES
+from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.placement import serving_mesh
+from redrafter_jax.serving.shutdown import make_server
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,9 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
           max_tokens: int = 512, default_max_tokens: int | None = None, max_queue: int = 64,
           speculative: bool = True, drafter_path: str | None = None,
           random_drafter: bool = False, devices: int | None = None,
-          model_name: str | None = None, warmup: bool = False) -> Server:
+          model_name: str | None = None, warmup: bool = False,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+          cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()) -> Server:
   """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
 
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
@@ -80,16 +87,20 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   engine = Engine(llm, tok, drafter, config=engine_config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
   del llm, drafter  # the engine holds the placed copies
-  engine.start()
   if warmup:
-    t0 = time.perf_counter()
-    engine.generate(GenerationRequest(prompt_ids=[0], max_tokens=2), timeout=600)
-    log.info("warm-up (compiling the step and the first prompt bucket) took %.1f s",
-             time.perf_counter() - t0)
+    engine.warmup()
+  engine.start()
   d = preset.decode
   name = model_name or preset.model
   app = create_app(engine, tok, model_name=name,
-                   defaults=SamplingDefaults(d.temperature, d.top_p, d.top_k))
+                   defaults=SamplingDefaults(d.temperature, d.top_p, d.top_k),
+                   max_body_bytes=max_body_bytes)
+  unauthorized = engine.metrics.rejected.labels(reason="unauthorized")
+  access.protect(app, api_key=api_key, cors_origins=cors_origins, allowed_hosts=allowed_hosts,
+                 on_reject=unauthorized.inc)
+  log.info("API key: %s; CORS origins: %s; allowed Host names: %s",
+           "required on /v1" if api_key else "none (open)", ", ".join(cors_origins) or "none",
+           ", ".join(allowed_hosts) or "any")
   log.info("serving %s (%s, %d slots, %d device(s) on the model axis)", name, engine.mode,
            engine_config.slots, mesh.shape["model"])
   return Server(app, engine, name)
@@ -103,28 +114,23 @@ def _bind(host: str, port: int) -> socket.socket:
   return sock
 
 
-def _uvicorn_server(app, log_level: str):
-  import uvicorn
-
-  config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "info",
-                          timeout_graceful_shutdown=5, lifespan="off")
-  return uvicorn.Server(config)
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 class ServerThread:
   """uvicorn serving ``app`` in a daemon thread; ``with ServerThread(app) as s: s.url``."""
 
-  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+               shutdown_grace: float = 5.0):
     self._sock = _bind(host, port)
     self.host, self.port = host, self._sock.getsockname()[1]
-    self._server = _uvicorn_server(app, log_level)
+    self._server = make_server(app, log_level=log_level, grace=shutdown_grace)
     self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                     name="uvicorn", daemon=True)
 
   @property
   def url(self) -> str:
-    host = f"[{self.host}]" if ":" in self.host else self.host
-    return f"http://{host}:{self.port}"
+    return url_of(self.host, self.port)
 
   def start(self, timeout: float = 30.0) -> "ServerThread":
     self._thread.start()
@@ -135,7 +141,7 @@ class ServerThread:
       time.sleep(0.02)
     return self
 
-  def stop(self, timeout: float = 15.0) -> None:
+  def stop(self, timeout: float = 30.0) -> None:
     self._server.should_exit = True
     self._thread.join(timeout)
     self._sock.close()
@@ -147,12 +153,20 @@ class ServerThread:
     self.stop()
 
 
-def serve_forever(server: Server, host: str, port: int) -> None:
-  """Serve until interrupted, then stop the engine."""
+def url_of(host: str, port: int) -> str:
+  return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve_forever(server: Server, host: str, port: int,
+                  shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+  """Serve until SIGINT/SIGTERM, shut down gracefully, then stop the engine. Prints the bound
+  address (``listening on http://HOST:PORT``, the real port when ``port`` is 0) once it
+  accepts connections."""
   sock = _bind(host, port)
-  log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
+  announce = f"listening on {url_of(host, sock.getsockname()[1])} (OpenAI API under /v1)"
   try:
-    _uvicorn_server(server.app, "info").run(sockets=[sock])
+    make_server(server.app, log_level="info", grace=shutdown_grace, announce=announce).run(
+        sockets=[sock])
   finally:
     sock.close()
     server.close()

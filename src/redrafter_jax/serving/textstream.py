@@ -2,7 +2,8 @@
 
 Tokens arrive a few at a time; the text they add is only released once it is final:
   * a trailing incomplete character (the tokenizer yields U+FFFD for a partial UTF-8 sequence)
-    waits for the next token;
+    waits for the next token, and is dropped if the request ends before it is complete (a
+    ``max_tokens`` cut inside a multi-byte character gives no U+FFFD);
   * text that could be the start of a stop string waits until it is clearly not one.
 Decoding re-reads a short window of recent tokens (``prefix`` .. end) rather than the whole
 output, and takes the difference to the window's earlier text: tokenizers that merge spaces or
@@ -57,13 +58,13 @@ class TextStream:
     return self._release(final=False)
 
   def flush(self) -> str:
-    """The rest of the text at the end of generation (a trailing partial character included)."""
+    """The rest of the text at the end of generation (a trailing partial character dropped)."""
     if not self.stopped:
       now = self._decode(self._ids[self._prefix:])
       before = self._decode(self._ids[self._prefix:self._read])
       if len(now) > len(before):
         searched = len(self.text)
-        self.text += now[len(before):]
+        self.text += now[len(before):].rstrip(REPLACEMENT)
         self._read = len(self._ids)
         self._find_stop(max(0, searched - self._longest + 1))
     return self._release(final=True)
