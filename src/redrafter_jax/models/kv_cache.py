@@ -93,7 +93,7 @@ def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array
   """
   B, T, K, _ = k_BTKE.shape
   x_BTK = _heads(B, T, K)
-  slots_BTK = _per_head(cache.lengths_B[:, None] + jnp.arange(T), K)
+  slots_BTK = _per_head(cache.lengths_B[:, None] + jnp.arange(T)[None, :], K)
   k_XES, v_XSE = cache.layer(layer)
   # Advanced indices (on axes 0 and 2 of k, around a slice; 0 and 1 of v) address [B, T, K, E].
   k_XES = k_XES.at[x_BTK, :, slots_BTK].set(k_BTKE.astype(k_XES.dtype), mode="drop")
@@ -140,7 +140,7 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
   K = cache.num_kv_heads
   x_BAK = _heads(B, A, K)
   src_BAK = _per_head(cache.lengths_B[:, None] + path_BA, K)
-  dst_BAK = _per_head(cache.lengths_B[:, None] + jnp.arange(A), K)
+  dst_BAK = _per_head(cache.lengths_B[:, None] + jnp.arange(A)[None, :], K)
 
   def move_k(k_XES):
     return k_XES.at[x_BAK, :, dst_BAK].set(k_XES[x_BAK, :, src_BAK], mode="drop")

@@ -67,7 +67,9 @@ class Dense(nnx.Module):
 
   def __call__(self, x_xI: jax.Array) -> jax.Array:
     y = project(x_xI, self.weight[...], self.dtype)
-    return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+    if self.bias is None:
+      return y
+    return y + self.bias[...].astype(self.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
 
 
 class Embed(nnx.Module):
