@@ -12,12 +12,12 @@ Why this layout. Attention is two batched matmuls over ``X``, ``q[X, GT, E] @ k[
 ``p[X, GT, S] @ v[X, S, E]``: each cache array is already the operand XLA wants (one batch
 dimension, contracting dimension where the matmul reads it), so the cache is never transposed or
 reshaped inside a step. That matters beyond the transpose itself: XLA:CPU duplicates an in-place
-update that feeds a reshape, and then copies the whole buffer to keep both copies right. With the
-earlier ``[B, K, S, E]`` layout an AR step of SmolLM2-135M made ~120 such copies of cache layers
-plus a transpose of every K (``bench profile --mode ar``). Head-major ``X`` keeps a split over kv
-heads (tensor parallel serving) a split of the leading axis. Each layer's array is its own buffer
-so a layer's update is in place (measured on the 2-core CPU at B=32, S=512: update + attention
-over 30 layers 197 ms per-layer vs 2.2 s for one stacked ``[layers, ...]`` array).
+update that feeds a reshape, and then copies the whole buffer to keep both copies right: with the
+earlier ``[B, K, S, E]`` layout an AR step made such copies of many cache layers, plus a transpose
+of every K (``bench profile --mode ar`` shows them; README, "Layout"). Head-major ``X`` keeps a
+split over kv heads (tensor parallel serving) a split of the leading axis. Each layer's array is
+its own buffer so a layer's update is in place, where one stacked ``[layers, ...]`` array is
+copied whole (README, "Layout").
 """
 
 from __future__ import annotations
