@@ -1,11 +1,17 @@
-"""Shared fixtures. Fakes 8 CPU devices (before JAX is imported) to test sharding."""
+"""Shared fixtures. Fakes 8 CPU devices (before JAX is imported) to test sharding, and makes
+implicit rank promotion an error: every broadcast in the library is written out (``[:, None]``),
+so a shape mistake fails loudly instead of broadcasting into a wrong answer."""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # also for the subprocesses tests start
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 @pytest.fixture(scope="session")

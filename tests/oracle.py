@@ -29,7 +29,7 @@ class OracleDrafter(nnx.Module):
     B, M = ref_BM.shape
     W, L = cfg.beam_width, cfg.beam_length
     rows = jnp.arange(B)[:, None]
-    idx_BJ = jnp.clip(state.out.num_B[:, None] + jnp.arange(L - 1), 0, M - 1)
+    idx_BJ = jnp.clip(state.out.num_B[:, None] + jnp.arange(L - 1)[None, :], 0, M - 1)
     true_BJ = ref_BM[rows, idx_BJ]
     e0_B = self.planted_error_depth(state.out.steps, B, L)
     err_BW = jnp.maximum(1, e0_B[:, None] - jnp.arange(W)[None, :])

@@ -14,21 +14,35 @@ from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.llama import Llama
 
 PAPER_BEAMS = [[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]]
+# Every tree function is checked as called eagerly and under jax.jit (the budget static).
+JIT = pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 
 
-def test_dedup_prefix_paper_example():
-  prefix = tree_lib.dedup_prefix(jnp.asarray([PAPER_BEAMS]))
+def tree_fns(jitted: bool):
+  """``(dedup_prefix, pack, unpack)``, plain or jitted."""
+  if not jitted:
+    return tree_lib.dedup_prefix, tree_lib.pack, tree_lib.unpack
+  return (jax.jit(tree_lib.dedup_prefix), jax.jit(tree_lib.pack, static_argnums=1),
+          jax.jit(tree_lib.unpack))
+
+
+@JIT
+def test_dedup_prefix_paper_example(jitted):
+  dedup_prefix, _, _ = tree_fns(jitted)
+  prefix = dedup_prefix(jnp.asarray([PAPER_BEAMS]))
   np.testing.assert_array_equal(prefix[0], [[0, 0, 0, 0], [0, 0, 1, 1], [0, 0, 0, 2]])
 
 
-def test_pack_paper_example():
-  t = tree_lib.pack(jnp.asarray([PAPER_BEAMS]), budget=12)
+@JIT
+def test_pack_paper_example(jitted):
+  _, pack, unpack = tree_fns(jitted)
+  t = pack(jnp.asarray([PAPER_BEAMS]), 12)
   assert int(t.num_unique_B[0]) == 7
   assert int(t.valid_BN[0].sum()) == 7
   np.testing.assert_array_equal(t.tokens_BN[0, :7], [91, 92, 93, 94, 95, 96, 97])
   np.testing.assert_array_equal(t.depth_BN[0, :7], [0, 1, 2, 2, 3, 3, 3])
   np.testing.assert_array_equal(t.parent_BN[0, :7], [-1, 0, 1, 1, 2, 3, 2])
-  np.testing.assert_array_equal(tree_lib.unpack(t, t.tokens_BN)[0], PAPER_BEAMS)
+  np.testing.assert_array_equal(unpack(t, t.tokens_BN)[0], PAPER_BEAMS)
 
 
 def _random_beams(rng, B, W, L, vocab):
@@ -77,20 +91,24 @@ def _brute_force_checks(beams, t, scores=None):
 
 @pytest.mark.parametrize("W,L,vocab,budget", [(4, 4, 3, None), (8, 5, 4, None), (8, 5, 4, 12),
                                               (5, 3, 2, 4), (1, 6, 5, None)])
-def test_pack_matches_brute_force(W, L, vocab, budget):
+@JIT
+def test_pack_matches_brute_force(W, L, vocab, budget, jitted):
+  _, pack, unpack = tree_fns(jitted)
   rng = np.random.default_rng(W * 100 + L)
   beams = _random_beams(rng, 6, W, L, vocab)
   N = budget or W * (L - 1) + 1
-  t = tree_lib.pack(jnp.asarray(beams), N)
+  t = pack(jnp.asarray(beams), N)
   _brute_force_checks(beams, t)
-  restored = np.asarray(tree_lib.unpack(t, t.tokens_BN, fill=-1))
+  restored = np.asarray(unpack(t, t.tokens_BN, -1))
   usable = np.arange(L)[None, None, :] < np.asarray(t.beam_len_BW)[:, :, None]
   np.testing.assert_array_equal(restored[usable], beams[usable])
   assert (restored[~usable] == -1).all()
 
 
 @pytest.mark.parametrize("budget", [6, 10, 33])
-def test_pack_by_score_keeps_most_likely_nodes(budget):
+@JIT
+def test_pack_by_score_keeps_most_likely_nodes(budget, jitted):
+  _, pack, _ = tree_fns(jitted)
   rng = np.random.default_rng(budget)
   B, W, L = 5, 8, 5
   beams = _random_beams(rng, B, W, L, 3)
@@ -103,7 +121,7 @@ def test_pack_by_score_keeps_most_likely_nodes(budget):
           if (beams[b, i, :j + 1] == beams[b, k, :j + 1]).all():
             logp[b, i, j - 1] = logp[b, k, j - 1]
   scores = np.concatenate([np.zeros((B, W, 1)), np.cumsum(logp, axis=2)], axis=2)
-  t = tree_lib.pack(jnp.asarray(beams), budget, jnp.asarray(scores, jnp.float32))
+  t = pack(jnp.asarray(beams), budget, jnp.asarray(scores, jnp.float32))
   _brute_force_checks(beams, t, scores.astype(np.float32))
 
 

@@ -1,6 +1,7 @@
 """Acceptance rules: exact tree sampling reproduces AR sampling; the reference rule does not."""
 
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,21 @@ from redrafter_jax.models.llama import Llama
 V = 8
 K = 3  # compare the joint distribution of the first K generated tokens
 PROMPT = [1, 2, 3, 4]
+# The rules on hand-made trees are checked as called eagerly and under jax.jit.
+JIT = pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+
+
+def rules(jitted: bool) -> types.SimpleNamespace:
+  """``pack`` and the acceptance rules, plain or jitted (their static arguments static)."""
+  fns = dict(pack=tree_lib.pack, exact=verify.verify_exact, greedy=verify.verify_greedy,
+             typical=verify.verify_typical)
+  if jitted:
+    fns = dict(pack=jax.jit(tree_lib.pack, static_argnums=1),
+               exact=jax.jit(verify.verify_exact, static_argnames=("beam_length", "filtered")),
+               greedy=jax.jit(verify.verify_greedy, static_argnames=("beam_length",)),
+               typical=jax.jit(verify.verify_typical,
+                               static_argnames=("eps", "delta", "filtered")))
+  return types.SimpleNamespace(**fns)
 
 
 @pytest.fixture(scope="module")
@@ -121,25 +137,27 @@ def test_typical_acceptance_at_temperature_zero_is_greedy(llm, drafter):
   assert decode(llm, drafter, prompts, cfg).tokens == ar.tokens
 
 
-def test_exact_walk_on_hand_made_tree():
+@JIT
+def test_exact_walk_on_hand_made_tree(jitted):
   """Greedy verdict on a known tree: accept the argmax child at each level, then the argmax."""
+  r = rules(jitted)
   beams = jnp.asarray([[[1, 2, 3], [1, 4, 5], [1, 2, 6]]])
-  t = tree_lib.pack(beams, 7)  # slots by depth then beam: 1 | 2 4 | 3 5 6
+  t = r.pack(beams, 7)  # slots by depth then beam: 1 | 2 4 | 3 5 6
   logits = jnp.full((1, 7, V), -10.0)
   logits = logits.at[0, 0, 2].set(5.0)  # after root: 2 (accept beam 0/2's token)
   logits = logits.at[0, 1, 6].set(5.0)  # after 1,2: 6 (the beam-2 child)
   logits = logits.at[0, 5, 7].set(5.0)  # after 1,2,6: 7 (bonus token)
   params = sampling.SamplingParams.make(1)
-  v = verify.verify_exact(jax.random.key(0), t, logits, params, beam_length=3, filtered=False)
-  assert_same_verdict(verify.verify_greedy(t, logits, beam_length=3), v)
+  v = r.exact(jax.random.key(0), t, logits, params, beam_length=3, filtered=False)
+  assert_same_verdict(r.greedy(t, logits, beam_length=3), v)
   assert int(v.num_accepted_B[0]) == 2
   np.testing.assert_array_equal(v.tokens_BA[0], [2, 6, 7])
   np.testing.assert_array_equal(v.path_BA[0], [0, 1, 5])
   assert int(v.end_slot_B[0]) == 5
   # A rejection at the first level: the argmax (3) is not a child of the root.
   logits2 = logits.at[0, 0, 2].set(-10.0).at[0, 0, 3].set(5.0)
-  v2 = verify.verify_exact(jax.random.key(0), t, logits2, params, beam_length=3, filtered=False)
-  assert_same_verdict(verify.verify_greedy(t, logits2, beam_length=3), v2)
+  v2 = r.exact(jax.random.key(0), t, logits2, params, beam_length=3, filtered=False)
+  assert_same_verdict(r.greedy(t, logits2, beam_length=3), v2)
   assert int(v2.num_accepted_B[0]) == 0
   np.testing.assert_array_equal(v2.tokens_BA[0, :1], [3])
   assert int(v2.end_slot_B[0]) == 0
@@ -151,17 +169,19 @@ def assert_same_verdict(got, want):
 
 
 @pytest.mark.parametrize("W,L", [(1, 4), (3, 4), (4, 5)])
-def test_greedy_verdict_equals_every_rule_at_temperature_zero(W, L):
+@JIT
+def test_greedy_verdict_equals_every_rule_at_temperature_zero(W, L, jitted):
   """The all-greedy fast path gives the exact (and typical) rule's verdict at temperature 0, on
   random trees with shared prefixes and logits whose argmax follows the drafts to random depths,
   including tied maxima (the lowest token id wins in both)."""
+  r = rules(jitted)
   Vb, B, seeds = 6, 8, 25
   params = sampling.SamplingParams.make(B)
   for seed in range(seeds):
     rng = np.random.default_rng(seed)
     beams = rng.integers(0, 3, (B, W, L))  # a small alphabet: many shared prefixes
     beams[:, :, 0] = rng.integers(0, Vb, (B, 1))
-    t = tree_lib.pack(jnp.asarray(beams, jnp.int32), W * (L - 1) + 1)
+    t = r.pack(jnp.asarray(beams, jnp.int32), W * (L - 1) + 1)
     logits = rng.integers(-2, 2, (B, t.size, Vb)).astype(np.float32)  # ties are common
     # Plant each slot's first child as its argmax with probability 1/2.
     tokens, parent = np.asarray(t.tokens_BN), np.asarray(t.parent_BN)
@@ -170,12 +190,12 @@ def test_greedy_verdict_equals_every_rule_at_temperature_zero(W, L):
         if parent[b, n] >= 0 and rng.random() < 0.5:
           logits[b, parent[b, n], tokens[b, n]] = 5.0
     logits = jnp.asarray(logits)
-    greedy = verify.verify_greedy(t, logits, beam_length=L)
-    assert_same_verdict(greedy, verify.verify_exact(jax.random.key(seed), t, logits, params,
-                                                     beam_length=L, filtered=False))
+    greedy = r.greedy(t, logits, beam_length=L)
+    assert_same_verdict(greedy, r.exact(jax.random.key(seed), t, logits, params, beam_length=L,
+                                        filtered=False))
     beams_out = BeamOutput(jnp.asarray(beams, jnp.int32), jnp.zeros((B, W, L - 1)),
                            jnp.zeros((B, W)))
-    typical = verify.verify_typical(jax.random.key(seed), t, beams_out, logits, params, eps=0.3,
-                                    delta=0.09, filtered=False)
+    typical = r.typical(jax.random.key(seed), t, beams_out, logits, params, eps=0.3, delta=0.09,
+                        filtered=False)
     for name in ("num_accepted_B", "tokens_BA"):  # the same tokens (beam-indexed path slots)
       np.testing.assert_array_equal(getattr(typical, name), getattr(greedy, name), err_msg=name)

@@ -227,7 +227,7 @@ class DecodeConfig:
   typical_delta: float = 0.3
   token_budget: int | None = None  # N; None means beams*(L-1)+1 (never truncates the tree)
   # One more beam copied from the context after the latest match of its last 1..n tokens
-  # (prompt lookup; ``lookup.py``); 0 = off. Exact: the tree is verified as usual.
+  # (prompt lookup; ``inference/lookup.py``); 0 = off. Exact: the tree is verified as usual.
   lookup_ngram: int = 0
   # Draft only the R most frequent tokens (the drafter's token ranking); 0 = the whole vocab.
   draft_vocab_size: int = 0

@@ -89,9 +89,21 @@ class Result:
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
              temperature=0.0, top_p=1.0, top_k=0, seed: int = 0, stop_ids: Sequence[int] = (),
              cache_size: int | None = None) -> Result:
-  """Plain AR decoding of a batch of token-id prompts (greedy when temperature is 0).
+  """Plain AR decoding of a batch of token-id prompts: the baseline ReDrafter must reproduce.
 
-  Sampling settings may be scalars or one value per prompt.
+  Args:
+    model: the LLM.
+    prompts: B token-id lists (each non-empty); they are right-padded into one batch.
+    max_new_tokens: the most tokens generated per row.
+    temperature, top_p, top_k: sampling settings, a scalar or one value per prompt;
+      temperature 0 is greedy.
+    seed: the PRNG seed of the sampled rows.
+    stop_ids: token ids that end a row (the stop token is included in its output).
+    cache_size: static KV-cache slots per row; None: prompt + ``max_new_tokens``, rounded up.
+
+  Returns:
+    A ``Result``: each row's new tokens, whether it stopped on a stop token, and the number of
+    LLM forwards after the prefill.
   """
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise GenerateError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")

@@ -81,12 +81,12 @@ def record(out: Output, done_B, new_BA, count_B, stop_ids, max_new: int):
   """Append ``count_B`` tokens of ``new_BA`` to each unfinished row; stop at a stop token or at
   ``max_new``. Returns the new output and done flags."""
   A = new_BA.shape[1]
-  idx_A = jnp.arange(A)
-  is_stop_BA = jnp.isin(new_BA, stop_ids) & (idx_A < count_B[:, None])
+  idx_1A = jnp.arange(A)[None, :]
+  is_stop_BA = jnp.isin(new_BA, stop_ids) & (idx_1A < count_B[:, None])
   first_stop_B = jnp.where(is_stop_BA.any(1), jnp.argmax(is_stop_BA, axis=1) + 1, A + 1)
   room_B = max_new - out.num_B
   keep_B = jnp.where(done_B, 0, jnp.minimum(jnp.minimum(count_B, first_stop_B), room_B))
-  dest_BA = jnp.where(idx_A < keep_B[:, None], out.num_B[:, None] + idx_A, max_new)  # OOB: drop
+  dest_BA = jnp.where(idx_1A < keep_B[:, None], out.num_B[:, None] + idx_1A, max_new)  # OOB: drop
   tokens = jax.vmap(lambda t, d, n: t.at[d].set(n, mode="drop"))(out.tokens_BM, dest_BA, new_BA)
   stopped_B = out.stopped_B | (~done_B & (first_stop_B <= keep_B))
   num_B = out.num_B + keep_B

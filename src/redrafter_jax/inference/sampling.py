@@ -49,15 +49,16 @@ def target_logprobs(logits_BxV: jax.Array, params: SamplingParams, *, filtered: 
   if filtered:
     scaled = _top_k_top_p(scaled, expand(params.top_k_B), expand(params.top_p_B))
   logp = jax.nn.log_softmax(scaled, axis=-1)
-  greedy_logp = jnp.where(
-      jnp.arange(logits.shape[-1]) == jnp.argmax(logits, axis=-1, keepdims=True), 0.0, NEG_INF)
+  ids_xV = jnp.arange(logits.shape[-1]).reshape((1,) * (logits.ndim - 1) + (-1,))
+  greedy_logp = jnp.where(ids_xV == jnp.argmax(logits, axis=-1, keepdims=True), 0.0, NEG_INF)
   return jnp.where(expand(params.greedy_B), greedy_logp, logp)
 
 
 def _top_k_top_p(scaled_xV, top_k_x1, top_p_x1):
   V = scaled_xV.shape[-1]
   sorted_xV = -jnp.sort(-scaled_xV, axis=-1)  # descending
-  in_top_k_xV = jnp.where(top_k_x1 > 0, jnp.arange(V) < top_k_x1, True)
+  rank_xV = jnp.arange(V).reshape((1,) * (scaled_xV.ndim - 1) + (V,))
+  in_top_k_xV = jnp.where(top_k_x1 > 0, rank_xV < top_k_x1, True)
   # top-p measures mass on what top-k kept, renormalised (the order transformers and vLLM use).
   probs_xV = jax.nn.softmax(jnp.where(in_top_k_xV, sorted_xV, NEG_INF), axis=-1)
   mass_before_xV = jnp.cumsum(probs_xV, axis=-1) - probs_xV

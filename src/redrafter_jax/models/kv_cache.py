@@ -12,12 +12,12 @@ Why this layout. Attention is two batched matmuls over ``X``, ``q[X, GT, E] @ k[
 ``p[X, GT, S] @ v[X, S, E]``: each cache array is already the operand XLA wants (one batch
 dimension, contracting dimension where the matmul reads it), so the cache is never transposed or
 reshaped inside a step. That matters beyond the transpose itself: XLA:CPU duplicates an in-place
-update that feeds a reshape, and then copies the whole buffer to keep both copies right. With the
-earlier ``[B, K, S, E]`` layout an AR step of SmolLM2-135M made ~120 such copies of cache layers
-plus a transpose of every K (``bench profile --mode ar``). Head-major ``X`` keeps a split over kv
-heads (tensor parallel serving) a split of the leading axis. Each layer's array is its own buffer
-so a layer's update is in place (measured on the 2-core CPU at B=32, S=512: update + attention
-over 30 layers 197 ms per-layer vs 2.2 s for one stacked ``[layers, ...]`` array).
+update that feeds a reshape, and then copies the whole buffer to keep both copies right: with the
+earlier ``[B, K, S, E]`` layout an AR step made such copies of many cache layers, plus a transpose
+of every K (``bench profile --mode ar`` shows them; README, "Layout"). Head-major ``X`` keeps a
+split over kv heads (tensor parallel serving) a split of the leading axis. Each layer's array is
+its own buffer so a layer's update is in place, where one stacked ``[layers, ...]`` array is
+copied whole (README, "Layout").
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array
   """
   B, T, K, _ = k_BTKE.shape
   x_BTK = _heads(B, T, K)
-  slots_BTK = _per_head(cache.lengths_B[:, None] + jnp.arange(T), K)
+  slots_BTK = _per_head(cache.lengths_B[:, None] + jnp.arange(T)[None, :], K)
   k_XES, v_XSE = cache.layer(layer)
   # Advanced indices (on axes 0 and 2 of k, around a slice; 0 and 1 of v) address [B, T, K, E].
   k_XES = k_XES.at[x_BTK, :, slots_BTK].set(k_BTKE.astype(k_XES.dtype), mode="drop")
@@ -140,7 +140,7 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
   K = cache.num_kv_heads
   x_BAK = _heads(B, A, K)
   src_BAK = _per_head(cache.lengths_B[:, None] + path_BA, K)
-  dst_BAK = _per_head(cache.lengths_B[:, None] + jnp.arange(A), K)
+  dst_BAK = _per_head(cache.lengths_B[:, None] + jnp.arange(A)[None, :], K)
 
   def move_k(k_XES):
     return k_XES.at[x_BAK, :, dst_BAK].set(k_XES[x_BAK, :, src_BAK], mode="drop")

@@ -4,20 +4,18 @@
 activations' dtype). With float32 weights that is the plain float32 matmul. With bfloat16 weights
 and float32 activations ("bf16 weights") every matmul reads half the bytes and takes XLA:CPU's
 bf16 GEMM path, which on CPUs with AVX512-BF16/AMX makes a forward over a few new tokens cost
-about what one token does: 24.6 / 24.7 / 26.5 / 37.4 ms at 1 / 2 / 5 / 16 tokens after a
-256-token prefix on the 2-core CPU (``python -m redrafter_jax.bench ar --param-dtype bfloat16
---num-prompts 2 --max-new-tokens 32 --forward-tokens 1,2,5,16``), where float32 weights took
-~1.6 steps at 5 tokens. A small verified tree costs about an AR step.
+about what one token does, so a small verified tree costs about an AR step (the measurements:
+README, "Results"; ``python -m redrafter_jax.bench ar --forward-tokens``).
 Facts of XLA:CPU and of rounding that shape this code:
 
 - the ``[out, in]`` layout (contract the last axis of both operands) is served by the GEMM
-  library for bf16 weights; ``[in, out]`` is ~1.5x slower there, and feeding a bf16 weight to a
+  library for bf16 weights; ``[in, out]`` is slower there, and feeding a bf16 weight to a
   float32 dot makes XLA convert the whole weight to float32 on every call;
 - a float32 input is fed as two bf16 rows, ``hi = bf16(x)`` and ``lo = bf16(x - hi)``, whose
   results are summed: x keeps ~16 of its 24 mantissa bits. Rounding x to bf16 alone turns the
   float32-level differences between two ways of computing the same activations (an AR step and
   a tree verify) into whole bf16 rounding steps, and greedy ReDrafter then left AR's path on
-  3 of 6 real prompts; with the split it follows it;
+  real prompts (README, "Results"); with the split it follows it;
 - a low-precision matmul with a single row is lowered to a slow generic loop: a single bf16 row
   (bf16 activations) is duplicated to two and one result kept. A split float32 row is two rows
   already.
@@ -67,13 +65,15 @@ class Dense(nnx.Module):
 
   def __call__(self, x_xI: jax.Array) -> jax.Array:
     y = project(x_xI, self.weight[...], self.dtype)
-    return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+    if self.bias is None:
+      return y
+    return y + self.bias[...].astype(self.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
 
 
 class Embed(nnx.Module):
   """Token embedding ``[V, D]`` in ``param_dtype``; looked-up rows come out in ``dtype``. (Inside
   a loop, XLA:CPU converts a bf16 table to float32 once before the loop rather than the rows it
-  reads: a one-time cost per decode call, ~25 ms for SmolLM2's table on the 2-core CPU.)"""
+  reads: a one-time cost per decode call.)"""
 
   def __init__(self, num_embeddings: int, features: int, *, dtype, param_dtype,
                rngs: nnx.Rngs):

@@ -39,7 +39,8 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+    scale_xD = self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    return scale_xD * x32.astype(x.dtype)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
@@ -61,7 +62,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
 
 
 def rope_cos_sin(positions_BT: jax.Array, inv_freq: jax.Array, dtype):
-  angles_BTe = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  angles_BTe = positions_BT[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]
   angles_BTE = jnp.concatenate([angles_BTe, angles_BTe], axis=-1)
   return jnp.cos(angles_BTE).astype(dtype), jnp.sin(angles_BTE).astype(dtype)
 

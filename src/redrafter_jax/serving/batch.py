@@ -110,7 +110,7 @@ def _finish(batch: SlotBatch, old: step_lib.DecodeState, new: step_lib.DecodeSta
   """Apply the per-row limits and cut out the tokens each row gained."""
   M = new.out.tokens_BM.shape[1]
   start_B = old.out.num_B
-  idx_BA = jnp.minimum(start_B[:, None] + jnp.arange(width), M - 1)
+  idx_BA = jnp.minimum(start_B[:, None] + jnp.arange(width)[None, :], M - 1)
   tokens_BA = jnp.take_along_axis(new.out.tokens_BM, idx_BA, axis=1)
   done_B = new.done_B | (new.out.num_B >= batch.limit_B)
   out = StepOut(tokens_BA=tokens_BA, count_B=new.out.num_B - start_B, done_B=done_B,

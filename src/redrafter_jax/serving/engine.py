@@ -189,7 +189,21 @@ class Engine:
                     default_max_tokens=cfg.default_max_tokens)
 
   def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Handle:
-    """Queue a request; events go to ``sink``. Raises ``RequestError`` or ``QueueFull``."""
+    """Queue a request for a slot; its events go to ``sink``.
+
+    Args:
+      request: prompt token ids and sampling settings (``GenerationRequest``).
+      sink: called from the engine thread with each ``Delta`` (new text and token ids), then one
+        ``Finished`` (or ``Failed``); it must not block.
+
+    Returns:
+      A ``Handle`` (``cancel()`` frees the request's slot at the next step).
+
+    Raises:
+      RequestError: the request does not fit this server's limits.
+      QueueFull: every slot is busy and the waiting queue is full.
+      EngineStopped: the engine is not running.
+    """
     max_tokens = self.check(request)
     if not self.alive:
       raise EngineStopped("the engine is not running")

@@ -2,8 +2,7 @@
 
 The training prompts (GSM8K, GPTeacher code/roleplay) cover few of the kinds of requests a chat
 model gets, and a drafter trained on the LLM's answers to them is accepted far less often on
-other kinds (measured: teacher-forced step-1 top-1 0.445 on held-out training-style answers vs
-0.271 on Spec-Bench answers; ``python -m redrafter_jax.bench acceptance``, checkpoints/README).
+other kinds (``python -m redrafter_jax.bench acceptance``; the numbers are in checkpoints/README).
 Given only the chat template up to the start of a user turn, an instruction-tuned LLM samples a
 user request from its own idea of what users ask; answering those
 (``distill-data --prompts`` on the file written here) widens the teacher data to the model's own

@@ -255,10 +255,21 @@ class _Meter:
 
 def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool = True,
           progress: bool = True, export: bool = True) -> TrainResult:
-  """Train (or resume) per ``preset``.
+  """Train (or resume) the drafter per ``preset``, from the newest checkpoint in its output dir.
 
-  ``stop_after`` ends this call after that many steps (a time-boxed slice; rerun to continue),
-  with a checkpoint there unless ``save_at_stop`` is False (which simulates a crash in tests).
+  Args:
+    preset: the model to distil from, the drafter's shape and ``preset.train`` (data, mesh,
+      optimiser, schedule, checkpoint and eval cadence, output folder).
+    stop_after: end this call after that many steps (a time-boxed slice; rerun to continue).
+    save_at_stop: write a checkpoint where ``stop_after`` stops (False simulates a crash in
+      tests).
+    progress: show a progress bar.
+    export: at the last step, write the drafter in the reference format to
+      ``output_dir/drafter``.
+
+  Returns:
+    A ``TrainResult``: the per-step metrics of this call, the first and last step, the
+    drafter's parameters (host copy), the exported folder (or None) and held-out eval rows.
   """
   cfg = preset.train
   out_dir = pathlib.Path(cfg.output_dir)
