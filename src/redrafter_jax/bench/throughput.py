@@ -7,8 +7,8 @@ Three measurements in one run, so their ratios hold whatever else the machine is
    float32). Nothing that processes tokens through the LLM can beat it on this machine.
 2. **Teacher generation**: ``distill()`` itself (the code ``redrafter-jax distill-data`` runs)
    answering ``--gen-prompts`` prompts of a prompts file, per batch size and sampled fraction;
-   tokens/s counts response tokens over the whole call (prefill and compiles included, as a
-   real job pays them once per shape).
+   tokens/s counts response tokens over the whole second of two identical calls (prefill
+   included; the first call compiles every shape, which a long job pays once).
 3. **Training**: ``train()`` with a preset's model and training settings on the data written in
    2, for ``--train-steps`` steps after one untimed compiling step; tokens/s counts every token
    of every packed row (the trainer's own meter), the LLM forward included.
@@ -91,6 +91,18 @@ def forward_tokens_per_s(llm, batch: int, length: int, reps: int) -> float:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  import sys
+
+  from redrafter_jax.errors import UserError
+
+  try:
+    return _run(args)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def _run(args) -> int:
   import logging
 
   import jax
@@ -101,6 +113,7 @@ def main(argv=None) -> int:
   from redrafter_jax.training.trainer import train
 
   logging.getLogger("absl").setLevel(logging.WARNING)
+  distill.read_prompts(args.prompts)  # a bad file fails now, not after the roofline rows
   rows = []  # (job, setting, tokens/s)
   for dtype in ("float32", "bfloat16"):
     llm, _ = base_model.load_base_model(args.model, param_dtype=dtype)
@@ -115,11 +128,13 @@ def main(argv=None) -> int:
     data_dir = None
     for batch in args.gen_batch:
       for fraction in args.sampled_fraction:
+        run = lambda out: distill.distill(
+            llm, tokenizer, args.prompts, out, model_name=args.model, limit=args.gen_prompts,
+            max_new_tokens=args.max_new_tokens, batch_size=batch, sampled_fraction=fraction,
+            shard_size=max(batch, args.gen_prompts // 2), progress=False)
+        run(pathlib.Path(tmp) / f"warmup-b{batch}-s{fraction}")  # compiles every shape it meets
         out = pathlib.Path(tmp) / f"gen-b{batch}-s{fraction}"
-        stats = distill.distill(llm, tokenizer, args.prompts, out, model_name=args.model,
-                                limit=args.gen_prompts, max_new_tokens=args.max_new_tokens,
-                                batch_size=batch, sampled_fraction=fraction,
-                                shard_size=max(batch, args.gen_prompts // 2), progress=False)
+        stats = run(out)
         rows.append(("teacher generation", f"{args.gen_param_dtype} weights, batch {batch}, "
                      f"sampled {fraction:g}, {args.max_new_tokens} new", stats.tokens_per_s))
         print(f"generation batch {batch} sampled {fraction}: {stats.tokens_per_s:.0f} tok/s "
