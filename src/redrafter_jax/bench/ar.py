@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import pathlib
 import platform
@@ -51,9 +50,9 @@ def parse_args(argv):
 def read_prompts(path: pathlib.Path, n: int | None) -> list[dict]:
   """``n`` rows spread evenly over the file (so several categories are covered); all rows in
   file order when ``n`` is None."""
-  if not path.is_file():
-    raise FileNotFoundError(f"prompts file not found: {path}")
-  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  from redrafter_jax.training.data import read_jsonl
+
+  rows = [row for _, row in read_jsonl(path, "prompt", what="prompts file")]
   if not rows:
     raise ValueError(f"{path}: no prompts")
   if n is None:

@@ -201,7 +201,7 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
   if max_shards is not None:
     todo = todo[:max_shards]
   stops = stop_token_ids(tokenizer)
-  start, new_tokens, records = time.perf_counter(), 0, 0
+  start, new_tokens, records, host = time.perf_counter(), 0, 0, machine()
   bar = tqdm(total=sum(len(shards[k]) for k in todo), desc="distill", unit="seq",
              disable=not progress)
   for k in todo:
@@ -229,7 +229,7 @@ def distill(llm: Llama, tokenizer, prompts_path: str | pathlib.Path, out_dir: st
     manifest["shards"][name] = {
         "records": len(encoded), "response_tokens": shard_tokens,
         "seconds": round(time.perf_counter() - shard_start, 1),
-        "cpu_seconds": round(time.process_time() - shard_cpu, 1), "machine": machine()}
+        "cpu_seconds": round(time.process_time() - shard_cpu, 1), "machine": host}
     _write_json(out / data_lib.MANIFEST, manifest)
     records += len(encoded)
   bar.close()
