@@ -72,6 +72,29 @@ def test_runs_count_consecutive_hits_from_step_one():
   assert acceptance.runs(hits, 3).tolist() == [3, 1, 3, 2]
 
 
+def test_answer_cache_reuses_only_the_same_request(tmp_path):
+  path, made = tmp_path / "sub" / "answers.jsonl", []
+
+  def make(answer):
+    return lambda: made.append(answer) or answer
+
+  cache = acceptance.AnswerCache(path)
+  assert cache.get("m", [1, 2], 8, make([5, 6])) == [5, 6]
+  assert cache.get("m", [1, 2], 8, make([0])) == [5, 6]  # cached: not made again
+  assert cache.get("m", [1, 2], 9, make([7])) == [7]  # another length is another request
+  assert cache.get("m", [1, 3], 8, make([8])) == [8]
+  assert cache.get("n", [1, 2], 8, make([9])) == [9]
+  assert made == [[5, 6], [7], [8], [9]]
+  again = acceptance.AnswerCache(path)  # read back from the file
+  assert again.get("m", [1, 2], 8, make([0])) == [5, 6] and made == [[5, 6], [7], [8], [9]]
+  path.write_text('{"answer": [1]}\n')
+  with pytest.raises(ValueError, match="non-empty string .key."):
+    acceptance.AnswerCache(path)
+  path.write_text('{"key": "k", "answer": 3}\n')
+  with pytest.raises(ValueError, match="1: not an answers file"):
+    acceptance.AnswerCache(path)
+
+
 @pytest.mark.slow
 def test_real_run_prints_one_row_per_category(spec_bench_path, tmp_path, capsys):
   rows = [json.loads(line) for line in spec_bench_path.read_text().splitlines()]
@@ -79,9 +102,15 @@ def test_real_run_prints_one_row_per_category(spec_bench_path, tmp_path, capsys)
   small = tmp_path / "p.jsonl"
   small.write_text("".join(json.dumps(next(r for r in rows if r["category"] == c)) + "\n"
                            for c in cats))
-  assert acceptance.main(["--prompts", str(small), "--drafter", "shipped", "--drafter", "shipped",
-                          "--per-category", "1", "--max-new-tokens", "24"]) == 0
+  answers = tmp_path / "answers.jsonl"
+  args = ["--prompts", str(small), "--drafter", "shipped", "--drafter", "shipped",
+          "--per-category", "1", "--max-new-tokens", "24", "--answers", str(answers)]
+  assert acceptance.main(args) == 0
   table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+  assert len(answers.read_text().splitlines()) == 2
+  assert acceptance.main(args) == 0  # from the kept answers: the same table
+  assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")] == table
+  assert len(answers.read_text().splitlines()) == 2
   assert [line.split(" | ")[0][2:] for line in table[2:]] == cats + ["**all**"]
   for line in table[2:]:
     cells = line.strip("| ").split(" | ")

@@ -182,6 +182,16 @@ def test_select_prompts_takes_the_first_n_of_each_category(spec_bench_path, tmp_
     suite.select_prompts(bad, 1)
 
 
+def test_select_prompts_skip_gives_the_next_disjoint_subset(spec_bench_path):
+  rows = [json.loads(l) for l in spec_bench_path.read_text().splitlines()]
+  cats = list(dict.fromkeys(r["category"] for r in rows))
+  tune, report = suite.select_prompts(spec_bench_path, 5), suite.select_prompts(spec_bench_path, 5, 5)
+  assert len(tune) == len(report) == 65
+  assert not {r["id"] for r in tune} & {r["id"] for r in report}
+  assert [r["id"] for r in report] == [r["id"] for c in cats
+                                       for r in [x for x in rows if x["category"] == c][5:10]]
+
+
 def test_gpu_mode_fails_clearly_without_a_gpu(tiny, tmp_path, capsys):
   assert suite.main(quick_args(tiny, tmp_path, "--gpu")) == 2
   err = capsys.readouterr().err

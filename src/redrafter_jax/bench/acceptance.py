@@ -15,7 +15,10 @@ Being free of timing noise and batch effects, it compares drafters (``--drafter`
 exactly and in minutes on a CPU::
 
   python -m redrafter_jax.bench acceptance --prompts ../shared/data/spec_bench.jsonl \\
-      --drafter runs/drafter_v1 --drafter shipped --per-category 4
+      --drafter runs/drafter_v1 --drafter shipped --per-category 10 --answers runs/answers.jsonl
+
+Generating the answers is most of the time; ``--answers`` keeps them in a JSONL file keyed by
+model, prompt tokens and answer length, so later runs (other drafters) only score.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import hashlib
 import json
 import pathlib
 import sys
@@ -39,14 +43,47 @@ from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
 
-def pick_prompts(path, tok, per_category: int, max_prompt_tokens: int):
-  """``(category, ids)`` of the first ``per_category`` prompts of each category (as the suite
-  picks them), chat-templated; longer prompts than ``max_prompt_tokens`` are left out."""
+def pick_prompts(path, tok, per_category: int, max_prompt_tokens: int, skip: int = 0):
+  """``(category, ids)`` of prompts ``skip + 1 .. skip + per_category`` of each category (as the
+  suite picks them), chat-templated; longer prompts than ``max_prompt_tokens`` are left out."""
   from redrafter_jax.bench.suite import select_prompts
 
   out = [(r["category"], encode(tok, r["prompt"], chat=True))
-         for r in select_prompts(pathlib.Path(path), per_category)]
+         for r in select_prompts(pathlib.Path(path), per_category, skip)]
   return [(c, ids) for c, ids in out if len(ids) <= max_prompt_tokens]
+
+
+class AnswerCache:
+  """The LLM's greedy answers, kept in a JSONL file (one ``{"key", "answer"}`` per line).
+
+  The key hashes the model name, the prompt's token ids and ``max_new_tokens``: an answer is
+  reused only for exactly the request that produced it. Lines are appended as answers are made,
+  so an interrupted run keeps what it generated."""
+
+  def __init__(self, path: pathlib.Path | None):
+    self.path, self.answers = path, {}
+    if path is not None and path.exists():
+      from redrafter_jax.training.data import read_jsonl
+
+      for lineno, row in read_jsonl(path, "key", what="answers file"):
+        if not isinstance(row.get("answer"), list):
+          raise ValueError(f"{path}:{lineno}: not an answers file (want {{key, answer}} per line)")
+        self.answers[row["key"]] = row["answer"]
+
+  @staticmethod
+  def key(model: str, prompt: list[int], max_new_tokens: int) -> str:
+    blob = json.dumps([model, list(map(int, prompt)), max_new_tokens]).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+  def get(self, model, prompt, max_new_tokens, make):
+    k = self.key(model, prompt, max_new_tokens)
+    if k not in self.answers:
+      self.answers[k] = [int(t) for t in make()]
+      if self.path is not None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+          f.write(json.dumps({"key": k, "answer": self.answers[k]}) + "\n")
+    return self.answers[k]
 
 
 def _round_up(n: int, multiple: int = 128) -> int:
@@ -107,13 +144,23 @@ def main(argv=None) -> int:
   ap.add_argument("--draft-vocab", type=int, default=None,
                   help="draft vocabulary size (0 = all; default: each drafter's decode.json)")
   ap.add_argument("--per-category", type=int, default=4)
+  ap.add_argument("--skip-per-category", type=int, default=0,
+                  help="leave out the first N prompts of each category")
+  ap.add_argument("--answers", type=pathlib.Path, default=None,
+                  help="JSONL file keeping the LLM's answers between runs (read, then appended)")
   ap.add_argument("--max-prompt-tokens", type=int, default=1024)
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--steps", type=int, default=4, help="draft steps n (L = n + 1 at most)")
   args = ap.parse_args(argv)
   specs = args.drafter or ["shipped"]
-  if args.steps < 1 or args.per_category < 1:
-    print("error: --steps and --per-category must be >= 1", file=sys.stderr)
+  if args.steps < 1 or args.per_category < 1 or args.skip_per_category < 0:
+    print("error: --steps and --per-category must be >= 1, --skip-per-category >= 0",
+          file=sys.stderr)
+    return 2
+  try:
+    cache = AnswerCache(args.answers)
+  except (OSError, ValueError) as e:
+    print(f"error: --answers: {e}", file=sys.stderr)
     return 2
 
   start = time.perf_counter()
@@ -121,12 +168,14 @@ def main(argv=None) -> int:
   tok = load_tokenizer(resolve_source(args.model))
   drafters = [restrict_vocab(load_drafter_arg(s, llm_cfg, 0), draft_vocab_arg(s, args.draft_vocab))
               for s in specs]
-  prompts = pick_prompts(args.prompts, tok, args.per_category, args.max_prompt_tokens)
+  prompts = pick_prompts(args.prompts, tok, args.per_category, args.max_prompt_tokens,
+                         args.skip_per_category)
   n = args.steps
   hits = collections.defaultdict(lambda: [np.zeros((0, n), bool) for _ in drafters])
   for k, (cat, ids) in enumerate(prompts):
-    answer = generate(llm, [ids], max_new_tokens=args.max_new_tokens,
-                      stop_ids=stop_token_ids(tok)).tokens[0]
+    answer = cache.get(args.model, ids, args.max_new_tokens,
+                       lambda: generate(llm, [ids], max_new_tokens=args.max_new_tokens,
+                                        stop_ids=stop_token_ids(tok)).tokens[0])
     for j, d in enumerate(drafters):
       h = teacher_forced_hits(llm, d, ids, answer, n)
       for key in (cat, "all"):
@@ -135,7 +184,8 @@ def main(argv=None) -> int:
   print(file=sys.stderr)
 
   print(f"Teacher-forced drafter accuracy on {args.model}'s own greedy answers "
-        f"({len(prompts)} prompts of {args.prompts}, up to {args.per_category} per category, "
+        f"({len(prompts)} prompts of {args.prompts}, up to {args.per_category} per category"
+        f"{f' after the first {args.skip_per_category}' if args.skip_per_category else ''}, "
         f"{args.max_new_tokens} new tokens; {time.perf_counter() - start:.0f} s).\n")
   for j, (spec, d) in enumerate(zip(specs, drafters)):
     vocab = "all" if d.vocab_ids is None else d.vocab_ids.shape[0]

@@ -106,6 +106,9 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--exit-dim", type=int, default=256, help="exit_dim of a random drafter")
   p.add_argument("--per-category", type=int, help=f"first N prompts of each category "
                  f"(default {FULL['per_category']})")
+  p.add_argument("--skip-per-category", type=int, default=0,
+                 help="leave out the first N prompts of each category (a subset disjoint from "
+                 "the one settings were chosen on)")
   p.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results root")
   p.add_argument("--beams", help=f"greedy ReDrafter settings WxL, or WxL+n with the "
@@ -162,6 +165,8 @@ def parse_args(argv) -> argparse.Namespace:
                "torch_threads"):
     if getattr(o, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+  if o.skip_per_category < 0:
+    p.error(f"--skip-per-category must be >= 0, got {o.skip_per_category}")
   if any(b < 1 for b in o.batch_sizes):
     p.error(f"--batch-sizes must be >= 1, got {o.batch_sizes}")
   from redrafter_jax.bench.decode import draft_vocab_arg
@@ -210,8 +215,10 @@ def build_methods(o) -> list[Method]:
   return out
 
 
-def select_prompts(path: pathlib.Path, per_category: int) -> list[dict]:
-  """The first ``per_category`` rows of each category, categories in file order."""
+def select_prompts(path: pathlib.Path, per_category: int, skip: int = 0) -> list[dict]:
+  """Rows ``skip + 1 .. skip + per_category`` of each category (in file order), categories in
+  file order. ``skip`` makes disjoint subsets: choose settings on ``skip=0`` prompts, report on
+  ``skip=per_category`` ones."""
   try:
     rows = read_prompts(path, None)
   except (FileNotFoundError, ValueError) as e:
@@ -224,7 +231,7 @@ def select_prompts(path: pathlib.Path, per_category: int) -> list[dict]:
     if str(row["id"]) in seen:
       raise SuiteError(f"{path}: duplicate prompt id {row['id']!r}")
     seen[str(row["id"])] = row["category"]
-    if sum(c == row["category"] for c in seen.values()) <= per_category:
+    if skip < sum(c == row["category"] for c in seen.values()) <= skip + per_category:
       out.append(row)
   return sorted(out, key=lambda r: list(dict.fromkeys(seen.values())).index(r["category"]))
 
@@ -275,7 +282,7 @@ def run(o) -> pathlib.Path:
       raise SuiteError(f"--gpu needs an NVIDIA GPU visible to JAX, but JAX runs on "
                        f"{jax.default_backend()!r} (install redrafter_jax[gpu] on a GPU machine, "
                        "or drop --gpu)")
-  rows = select_prompts(o.prompts, o.per_category)
+  rows = select_prompts(o.prompts, o.per_category, o.skip_per_category)
   folder = run_folder(o.out, machine_slug(o.gpu), o.quick)
   store = Store(folder / "measurements.json", settings_of(o))
   llm, llm_fp32, drafter, tok, hf, hf_bf16, note = load_models(o)
