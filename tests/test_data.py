@@ -178,10 +178,10 @@ def test_process_rows_partition_the_global_batch(tmp_path):
 
 def test_long_records_keep_the_response():
   mask = np.array([0] * 30 + [1] * 10, np.uint8)
-  assert data._window(mask, 64) == slice(0, 40)  # fits: whole record
-  assert data._window(mask, 16) == slice(22, 38)  # half a row of response after the prompt end
-  assert data._window(mask, 36) == slice(4, 40)  # all 10 response tokens after 26 of prompt
-  assert data._window(np.array([0] * 4 + [1] * 50, np.uint8), 16) == slice(0, 16)
+  assert data.window(mask, 64) == slice(0, 40)  # fits: whole record
+  assert data.window(mask, 16) == slice(22, 38)  # half a row of response after the prompt end
+  assert data.window(mask, 36) == slice(4, 40)  # all 10 response tokens after 26 of prompt
+  assert data.window(np.array([0] * 4 + [1] * 50, np.uint8), 16) == slice(0, 16)
 
 
 def test_errors_name_the_problem(tmp_path):

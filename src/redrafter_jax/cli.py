@@ -24,6 +24,7 @@ COMMANDS = {
     "prompt-mix": "redrafter_jax.commands.prompt_mix",
     "self-prompts": "redrafter_jax.commands.self_prompts",
     "distill-data": "redrafter_jax.commands.distill_data",
+    "features": "redrafter_jax.commands.features",
     "train": "redrafter_jax.commands.train",
     "serve": "redrafter_jax.commands.serve",
 }

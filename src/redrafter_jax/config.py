@@ -298,6 +298,9 @@ class TrainConfig:
 
   # Folder written by ``redrafter-jax distill-data``, or a list of them (read as one data set).
   data: str | tuple[str, ...] = "runs/distill_data"
+  # The LLM's hidden states over ``data``, precomputed by ``redrafter-jax features`` (one folder
+  # per data folder): steps then run no LLM forward. None computes them in every step.
+  features: str | tuple[str, ...] | None = None
   output_dir: str = "runs/train"
   seq_len: int = 512
   batch_size: int = 8  # global batch, sequences

@@ -11,7 +11,10 @@ Three measurements in one run, so their ratios hold whatever else the machine is
    included; the first call compiles every shape, which a long job pays once).
 3. **Training**: ``train()`` with a preset's model and training settings on the data written in
    2, for ``--train-steps`` steps after one untimed compiling step; tokens/s counts every token
-   of every packed row (the trainer's own meter), the LLM forward included.
+   of every packed row (the trainer's own meter), the LLM forward included. Then the same
+   training reading the LLM's hidden states precomputed once (``redrafter-jax features``,
+   ``train.features``): a row for writing them (one LLM forward per token) and one for the
+   steps, which then run only the drafter and the loss.
 
 Prints one markdown table; each row also gives its share of the roofline.
 """
@@ -153,6 +156,28 @@ def _run(args) -> int:
                    f"{p.num_draft_steps} draft steps, vocab {p.vocab_limit or 'full'}, "
                    f"soft {p.soft_targets}", tok_s))
       print(f"training: {tok_s:.0f} tok/s", flush=True)
+      from redrafter_jax.training import features
+
+      llm, _ = base_model.load_base_model(preset.model, dtype=preset.dtype,
+                                          param_dtype=preset.param_dtype)
+      feats = pathlib.Path(tmp) / "features"
+      features.write_features(llm, data_dir, feats / "warmup", model_name=preset.model,
+                              seq_len=p.seq_len)  # compiles every length bucket
+      stats = features.write_features(llm, data_dir, feats / "timed", model_name=preset.model,
+                                      seq_len=p.seq_len)
+      del llm
+      tok_s = stats["tokens"] / stats["seconds"]
+      rows.append(("features (once per data)", f"{preset.dtype} LLM, windows of {p.seq_len}",
+                   tok_s))
+      print(f"features: {tok_s:.0f} tok/s", flush=True)
+      preset = load_preset(args.config, {
+          "train.data": str(data_dir), "train.features": str(feats / "timed"),
+          "train.output_dir": str(pathlib.Path(tmp) / "train_features"),
+          "train.num_steps": args.train_steps + 1, "train.eval_shards": 0,
+          "train.checkpoint_every": 10**6, "train.log_every": 1})
+      tok_s = train(preset, progress=False, export=False).history[-1]["tokens_per_s"]
+      rows.append(("training from features", f"the same, hidden states read from disk", tok_s))
+      print(f"training from features: {tok_s:.0f} tok/s", flush=True)
   roof = max(r[2] for r in rows if r[0].startswith("forward"))
   print(f"\n# Distillation throughput: {args.model} on {jax.devices()[0].device_kind} "
         f"({distill.machine()})\n")

@@ -94,10 +94,25 @@ def read_shard(path: str | pathlib.Path) -> list[dict[str, Any]]:
 
 class ShardSource:
   """Random access to the records of several shards (grain's ``RandomAccessDataSource``
-  protocol). Shards are small and compressed: all are read into memory at once."""
+  protocol). Shards are small and compressed: all are read into memory at once. With
+  ``feature_paths`` (one ``features.py`` file per shard, memory-mapped) each record also holds
+  ``hidden``, the LLM's states over its ``seq_len`` window."""
 
-  def __init__(self, paths: Sequence[str | pathlib.Path]):
-    self._records = [rec for p in paths for rec in read_shard(p)]
+  def __init__(self, paths: Sequence[str | pathlib.Path],
+               feature_paths: Sequence[str | pathlib.Path] | None = None, seq_len: int = 0):
+    self._records = []
+    for i, path in enumerate(paths):
+      records = read_shard(path)
+      if feature_paths is not None:
+        hidden = np.load(feature_paths[i], mmap_mode="r")
+        sizes = window_lengths(records, seq_len)
+        if hidden.ndim != 2 or hidden.shape[0] != sum(sizes):
+          raise DataError(f"{feature_paths[i]}: {hidden.shape[0]} rows of states, but the "
+                          f"windows of {path} hold {sum(sizes)} tokens at seq_len={seq_len}")
+        ends = np.cumsum(sizes)
+        for r, end, size in zip(records, ends, sizes):
+          r["hidden"] = hidden[end - size:end]
+      self._records += records
 
   def __len__(self) -> int:
     return len(self._records)
@@ -223,7 +238,13 @@ def token_counts(folder, vocab_size: int, **split) -> np.ndarray:
   return counts
 
 
-def _window(mask: np.ndarray, seq_len: int) -> slice:
+def window_lengths(records: Sequence[Mapping[str, Any]], seq_len: int) -> np.ndarray:
+  """How many tokens of each record a ``seq_len`` row keeps (``window``)."""
+  return np.array([len(range(*window(r["mask"], seq_len).indices(r["mask"].size)))
+                   for r in records], np.int64)
+
+
+def window(mask: np.ndarray, seq_len: int) -> slice:
   """Which ``seq_len`` tokens of a longer record to keep: the whole response if the row has room,
   at least half a row of it otherwise, and the END of the prompt before it (the part the first
   response tokens depend on most)."""
@@ -237,19 +258,24 @@ def _window(mask: np.ndarray, seq_len: int) -> slice:
 
 
 def _truncate(rec: Mapping[str, Any], seq_len: int, vocab_size: int | None) -> dict[str, Any]:
-  window = _window(rec["mask"], seq_len)
-  tokens = rec["tokens"][window]
+  keep = window(rec["mask"], seq_len)
+  tokens = rec["tokens"][keep]
   if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
     raise DataError(f"record {rec['id']!r} has token id {int(tokens.max())} >= the LLM's "
                     f"vocab_size {vocab_size}: the data was made with another model")
-  return {"tokens": tokens, "loss_mask": rec["mask"][window].astype(np.int32)}
+  out = {"tokens": tokens, "loss_mask": rec["mask"][keep].astype(np.int32)}
+  if "hidden" in rec:  # already the window's states (features.py)
+    out["hidden"] = np.asarray(rec["hidden"])
+  return out
 
 
 def _pad(rec: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
   n = rec["tokens"].size
   out = {}
-  for name in ("tokens", "loss_mask"):
-    row = np.zeros((seq_len,), np.int32)
+  for name in ("tokens", "loss_mask", "hidden"):
+    if name not in rec:
+      continue
+    row = np.zeros((seq_len,) + rec[name].shape[1:], rec[name].dtype)
     row[:n] = rec[name]
     out[name] = row
   out["segment_ids"] = (np.arange(seq_len) < n).astype(np.int32)
@@ -258,28 +284,47 @@ def _pad(rec: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
 
 
 def _from_packed(rec: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return {"tokens": rec["tokens"], "loss_mask": rec["loss_mask"],
-          "segment_ids": rec["tokens_segment_ids"], "positions": rec["tokens_positions"]}
+  out = {"tokens": rec["tokens"], "loss_mask": rec["loss_mask"],
+         "segment_ids": rec["tokens_segment_ids"], "positions": rec["tokens_positions"]}
+  if "hidden" in rec:
+    out["hidden"] = rec["hidden"]
+  return out
 
 
 def _rows(batch: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
-  return {name: np.ascontiguousarray(batch[name][start:stop]) for name in FIELDS}
+  return {name: np.ascontiguousarray(batch[name][start:stop]) for name in FIELDS + ("hidden",)
+          if name in batch}
 
 
 def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
                  pack: bool = True, rows: tuple[int, int] | None = None,
                  vocab_size: int | None = None, packing_bins: int | None = None,
-                 holdout: int = 0, part: str = "train") -> grain.IterDataset:
+                 holdout: int = 0, part: str = "train", features=None,
+                 hidden_size: int | None = None) -> grain.IterDataset:
   """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
 
   ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
   ``folder`` is one data folder or several; ``holdout`` / ``part`` pick the shards
-  (``shard_paths``).
+  (``shard_paths``). ``features``: a features folder per data folder (``features.py``; made
+  for this ``seq_len`` and ``hidden_size``): batches then hold ``hidden`` too. The batches are
+  otherwise the same, in the same order.
   """
   start, stop = rows if rows is not None else (0, global_batch)
   if not 0 <= start < stop <= global_batch:
     raise DataError(f"rows {rows} are not a slice of the global batch of {global_batch}")
-  source = ShardSource(shard_paths(folder, holdout=holdout, part=part))
+  paths = shard_paths(folder, holdout=holdout, part=part)
+  hidden_paths = None
+  if features is not None:
+    from redrafter_jax.training.features import feature_paths
+
+    feats = folders(features)
+    if len(feats) != len(folders(folder)):
+      raise DataError(f"give one features folder per data folder: {len(feats)} for "
+                      f"{len(folders(folder))}")
+    hidden_paths = [q for d, f in zip(folders(folder), feats)
+                    for q in feature_paths(f, shard_paths(d, holdout=holdout, part=part),
+                                           seq_len=seq_len, hidden_size=hidden_size)]
+  source = ShardSource(paths, hidden_paths, seq_len)
   if len(source) == 0:
     raise DataError(f"{', '.join(map(str, folders(folder)))}: the shards hold no records")
   # repeat() after shuffle() reseeds the shuffle every epoch (grain's documented behaviour).
@@ -287,8 +332,10 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
   ds = ds.map(lambda rec: _truncate(rec, seq_len, vocab_size))
   if pack:
     bins = packing_bins or max(global_batch, 8)
+    lengths = {"tokens": seq_len, "loss_mask": seq_len,
+               **({"hidden": seq_len} if features is not None else {})}
     it_ds = grain.experimental.FirstFitPackIterDataset(
-        ds.to_iter_dataset(), length_struct={"tokens": seq_len, "loss_mask": seq_len},
+        ds.to_iter_dataset(), length_struct=lengths,
         num_packing_bins=bins, seed=seed, shuffle_bins=True)
     it_ds = it_ds.map(_from_packed)
   else:

@@ -2,7 +2,8 @@
 
 ``train(preset)`` runs the whole job: load the LLM and place it on the mesh (``sharding.py``),
 build the drafter (fresh, or from ``train.init_drafter``), read batches with the grain pipeline
-(``data.py``), and run a jitted step — LLM hidden states on the fly (no gradient), the chunked
+(``data.py``), and run a jitted step — LLM hidden states on the fly (no gradient) or read from
+a features folder (``features.py``, ``train.features``), the chunked
 distillation loss (``losses.py``), AdamW with linear warmup + cosine decay and global-norm
 clipping — with explicit shardings and a donated train state. Every ``checkpoint_every``
 steps, at a requested stop and at the end it saves a checkpoint (``checkpoint.py``); a rerun
@@ -44,7 +45,7 @@ from redrafter_jax.weights.base_model import load_base_model
 log = logging.getLogger(__name__)
 
 # Settings that may change between a run and its resumption (they do not change the math).
-RESUMABLE_CHANGES = ("train.output_dir", "train.data", "train.log_every", "train.checkpoint_every",
+RESUMABLE_CHANGES = ("train.output_dir", "train.data", "train.features", "train.log_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.mesh_data", "train.mesh_model",
                      "train.loss_chunk", "train.eval_every", "train.eval_batches", "decode",
                      "drafter_path")
@@ -86,11 +87,15 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
 
 def _batch_loss(llm_graphdef, drafter_of, vocab_ids_R, num_steps, chunk, soft_targets, llm_state,
                 batch):
-  """``params -> (loss, metrics)`` on ``batch``, the frozen LLM's part computed once."""
+  """``params -> (loss, metrics)`` on ``batch``, the frozen LLM's part computed once (its hidden
+  states read from the batch when it holds them: ``train.features``)."""
   llm = nnx.merge(llm_graphdef, llm_state)
   tokens_BT, segments_BT = batch["tokens"], batch["segment_ids"]
-  hidden_BTD = losses.frozen_hidden(llm, tokens_BT, batch["positions"], segments_BT)
   embedding_VD = llm.embed_tokens.embedding[...]
+  if "hidden" in batch:
+    hidden_BTD = jax.lax.stop_gradient(batch["hidden"].astype(embedding_VD.dtype))
+  else:
+    hidden_BTD = losses.frozen_hidden(llm, tokens_BT, batch["positions"], segments_BT)
   teacher_out_VD = llm.output_matrix() if soft_targets else None
 
   def loss_fn(params):
@@ -285,7 +290,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   state_shardings = jax.tree.map(lambda _: repl, state)
   data_kwargs = dict(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed,
                      pack=cfg.pack, rows=rows, vocab_size=llm_cfg.vocab_size,
-                     holdout=cfg.eval_shards)
+                     holdout=cfg.eval_shards, features=cfg.features,
+                     hidden_size=llm_cfg.hidden_size)
   iterator = data_lib.make_iterator(cfg.data, **data_kwargs)
 
   ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
