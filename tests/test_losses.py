@@ -120,6 +120,18 @@ def test_loss_matches_loop_reference(rnn, exit_dim, chunk):
   np.testing.assert_allclose(np.asarray(m["top5_n"]), ref_top5, atol=1e-6)
 
 
+def test_step_weight_decay_weighs_later_steps_less():
+  drafter_of, params = _split(_drafter())
+  tokens, mask, seg, hidden, emb = _example()
+  args = (drafter_of, params, *map(jnp.asarray, (hidden, emb, tokens, mask, seg)))
+  plain, m = losses.distill_loss(*args, num_steps=3)
+  decayed, m2 = losses.distill_loss(*args, num_steps=3, step_weight_decay=0.5)
+  ce = np.asarray(m["loss_n"])
+  np.testing.assert_allclose(float(decayed), ce[0] + 0.5 * ce[1] + 0.25 * ce[2], rtol=1e-6)
+  np.testing.assert_allclose(float(plain), ce.sum(), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(m2["loss_n"]), ce)  # the metrics stay unweighted
+
+
 def test_restricted_vocabulary_matches_loop_reference():
   """Training on K tokens (``restrict_vocab``): cross-entropy over those K, other targets
   skipped for the loss and counted as misses for the accuracies."""

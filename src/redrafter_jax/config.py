@@ -333,8 +333,14 @@ class TrainConfig:
   # Train the head on the R most frequent response tokens only (0: all V); decode with
   # ``restrict_vocab(drafter, R)`` to match. Cuts the dominant [C, V] cost of a step by V/R.
   vocab_limit: int = 0
+  # Draft step i (1..n) weighs decay**(i-1) in the loss (Medusa weighs later heads less: a
+  # later step only counts when every earlier one was accepted). 1.0 is the reference's sum.
+  step_weight_decay: float = 1.0
 
   def __post_init__(self):
+    if (not isinstance(self.step_weight_decay, (int, float)) or isinstance(self.step_weight_decay, bool)
+        or not 0.0 < self.step_weight_decay <= 1.0):
+      raise ConfigError(f"train.step_weight_decay must be in (0, 1], got {self.step_weight_decay!r}")
     for name in ("seq_len", "batch_size", "num_steps", "num_draft_steps", "checkpoint_every",
                  "log_every", "loss_chunk"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

@@ -95,7 +95,8 @@ def restricted_targets(targets_BTn, vocab_ids_R, vocab_size: int):
 def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BTD: jax.Array,
                  embedding_VD: jax.Array, tokens_BT: jax.Array, loss_mask_BT: jax.Array,
                  segment_ids_BT: jax.Array, *, num_steps: int, chunk: int = 64,
-                 vocab_ids_R: jax.Array | None = None, teacher_out_VD: jax.Array | None = None):
+                 vocab_ids_R: jax.Array | None = None, teacher_out_VD: jax.Array | None = None,
+                 step_weight_decay: float = 1.0):
   """``(loss, metrics)`` for a batch; differentiable in ``drafter_params`` only.
 
   ``drafter_of(params)`` builds the drafter from its parameters (e.g. ``nnx.merge`` with the
@@ -113,6 +114,9 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   against the LLM's distribution (soft targets, see the module docstring; over the R tokens
   when ``vocab_ids_R`` is given) and averages over every counted target. Accuracies are
   unchanged (against the data tokens).
+
+  ``step_weight_decay`` d: the loss is ``sum_i d**i * loss_n[i]`` (``loss_n`` itself, in the
+  metrics, stays unweighted so runs with different d compare).
   """
   n = num_steps
   B, T, D = hidden_BTD.shape
@@ -166,4 +170,5 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   loss_n = ce_n / jnp.maximum(jnp.sum(ce_weights_BTn, axis=(0, 1)), 1.0)
   metrics = dict(loss_n=loss_n, top1_n=top1_n / denom_n, top5_n=top5_n / denom_n,
                  count_n=count_n, coverage_n=scored_n / denom_n)
-  return jnp.sum(loss_n), metrics
+  weights_n = step_weight_decay ** jnp.arange(n, dtype=jnp.float32)
+  return jnp.sum(weights_n * loss_n), metrics

@@ -85,8 +85,8 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
   return adamw
 
 
-def _batch_loss(llm_graphdef, drafter_of, vocab_ids_R, num_steps, chunk, soft_targets, llm_state,
-                batch):
+def _batch_loss(llm_graphdef, drafter_of, vocab_ids_R, num_steps, chunk, soft_targets,
+                step_weight_decay, llm_state, batch):
   """``params -> (loss, metrics)`` on ``batch``, the frozen LLM's part computed once (its hidden
   states read from the batch when it holds them: ``train.features``)."""
   llm = nnx.merge(llm_graphdef, llm_state)
@@ -101,7 +101,8 @@ def _batch_loss(llm_graphdef, drafter_of, vocab_ids_R, num_steps, chunk, soft_ta
   def loss_fn(params):
     return losses.distill_loss(drafter_of, params, hidden_BTD, embedding_VD, tokens_BT,
                                batch["loss_mask"], segments_BT, num_steps=num_steps, chunk=chunk,
-                               vocab_ids_R=vocab_ids_R, teacher_out_VD=teacher_out_VD)
+                               vocab_ids_R=vocab_ids_R, teacher_out_VD=teacher_out_VD,
+                               step_weight_decay=step_weight_decay)
 
   return loss_fn
 
@@ -304,7 +305,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     log.info("resuming at step %d of %d", start, cfg.num_steps)
 
   loss_spec = (llm_graphdef, drafter_of, vocab_ids_R, cfg.num_draft_steps, cfg.loss_chunk,
-               cfg.soft_targets)
+               cfg.soft_targets, cfg.step_weight_decay)
   step_fn = jax.jit(
       functools.partial(_train_step, loss_spec, tx, schedule),
       in_shardings=(llm_shardings, state_shardings, sh.batch_sharding(mesh)),
