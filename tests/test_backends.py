@@ -265,3 +265,29 @@ def test_projection_off_cpu_is_one_exact_dot():
   x_bf = x_rI.astype(jnp.bfloat16)
   assert "concatenate" not in jaxpr(False, x_bf, w_OI)  # one bf16 row: not duplicated off CPU
   assert "concatenate" in jaxpr(True, x_bf, w_OI)
+
+
+def test_a_context_bucket_reads_only_its_slots(tiny):
+  """NaN in every cache slot past the bucket leaves a bucketed forward finite; the same forward
+  over the whole cache reads them (the poison is live)."""
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  for backend in ("xla", "pallas"):
+    model, _ = load_llama(tiny, backend=backend)
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(1, 64)
+    poison = lambda a, axis: jnp.where(
+        (jnp.arange(a.shape[axis]) >= 32).reshape([-1 if i == axis else 1
+                                                   for i in range(a.ndim)]), jnp.nan, a)
+    k_axis = 2 if cache.layout in ("XES", "BKSE") else 1
+    v_axis = {"XES": 1, "BSKE": 1, "BKSE": 2}[cache.layout]
+    cache = cache.replace(k=tuple(poison(a, k_axis) for a in cache.k),
+                          v=tuple(poison(a, v_axis) for a in cache.v),
+                          lengths_B=jnp.array([20], jnp.int32))
+    args = (jnp.ones((1, 3), jnp.int32), jnp.array([[20, 21, 22]]),
+            kvc.causal_mask(jnp.ones((1, 3), bool)))
+    bucketed, _ = _forward(graphdef, 32, state, cache, *args)
+    assert np.isfinite(np.asarray(bucketed)).all(), backend
+    if backend == "xla":  # pallas skips the unfilled blocks even over the whole cache
+      whole, _ = _forward(graphdef, None, state, cache, *args)
+      assert np.isnan(np.asarray(whole)).any()
