@@ -140,12 +140,13 @@ class Llama(nnx.Module):
   same)."""
 
   def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
-               backend: str = "xla", rngs: nnx.Rngs):
+               backend: str = "xla", cache_layout: str | None = None, rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
     self.config = cfg
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.backend = backend
+    self.cache_layout = cache_layout  # None: the backend's (only ``xla`` reads every layout)
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
     self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -185,12 +186,12 @@ class Llama(nnx.Module):
     return self.logits(hidden_BTD), hidden_BTD, cache
 
   def init_cache(self, batch: int, size: int, layout: str | None = None) -> kvc.KVCache:
-    """An empty cache in the layout (and dtype) the attention backend reads; ``layout``
-    overrides it (only the ``xla`` backend reads every layout)."""
+    """An empty cache in the layout (and dtype) the attention backend reads; ``layout`` (or the
+    model's ``cache_layout``) overrides it (only the ``xla`` backend reads every layout)."""
     c = self.config
+    layout = layout or self.cache_layout or cache_layout(self.backend)
     return kvc.init(c.num_layers, batch, size, c.num_kv_heads, c.head_dim,
-                    cache_dtype(self.backend, self.dtype),
-                    cache_layout(self.backend) if layout is None else layout)
+                    cache_dtype(self.backend, self.dtype), layout)
 
 
 def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
