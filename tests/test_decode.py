@@ -171,3 +171,29 @@ def test_restricted_draft_vocab_keeps_greedy_exact(llm, ar_greedy):
   assert r.tokens == ar_greedy.tokens
   with pytest.raises(ConfigError, match="reference"):
     DecodeConfig(draft_vocab_size=8, acceptance="reference")
+
+
+def test_context_buckets_keep_tokens_and_cross_segments(llm, drafter):
+  """With small context buckets the loop runs in segments, each reading only a bucket of the
+  cache; the tokens equal AR's and the Python-loop twin's, and each bucket used is one program."""
+  from redrafter_jax.models import kv_cache as kvc
+
+  prompts = [[1, 2, 3, 4, 5], list(range(1, 30))]
+  cfg = DecodeConfig(beam_width=2, beam_length=3, max_new_tokens=40)
+  ar = generate(llm, prompts, max_new_tokens=40)
+  rd = decode_lib.ReDrafter(llm, drafter, cfg, min_bucket=16)
+  assert kvc.context_buckets(128, 16) == (16, 32, 64, 128)
+  widths = []
+  p = rd.prepare(prompts, cache_size=128)
+  state = rd.start(p)
+  while not bool(np.all(np.asarray(state.done_B))):
+    widths.append(rd.width(p, state))
+    state = rd.step(p, state)
+  assert widths[0] == 64 and widths[-1] is None and 64 in widths  # crossed 64 -> whole cache
+  before = decode_lib.TRACE_COUNT["decode"]
+  looped = rd(prompts, cache_size=128)
+  assert decode_lib.TRACE_COUNT["decode"] == before + 2  # the 64 bucket, then the whole cache
+  assert looped.tokens == ar.tokens
+  assert decode_lib.DecodeResult.from_state(state).tokens == ar.tokens
+  whole = decode_lib.ReDrafter(llm, drafter, cfg, min_bucket=None)(prompts, cache_size=128)
+  assert whole.tokens == ar.tokens and whole.steps == looped.steps

@@ -200,3 +200,20 @@ def test_bf16_weights_oracle_commits_every_length(bf16w, smollm2, prompts, ar_bf
   got, hist = oracle_decode(bf16w, smollm2[1].vocab_size, prompts[:8], ar_bf16w, cfg, 4)
   check_all(bf16w, prompts[:8], got, ar_bf16w)
   assert (hist > 0).all(), hist
+
+
+@pytest.mark.parametrize("backend,layout", [("xla", "BSKE"), ("pallas", None)])
+def test_backends_and_layouts_give_xla_greedy_tokens(smollm2, prompts, ar, backend, layout):
+  """The real model on another cache layout (cuDNN's [B, S, K, E], read by the xla einsums) and
+  on the Pallas backend (interpret mode): AR and ReDrafter greedy tokens equal xla's AR."""
+  from redrafter_jax.weights.llama_weights import load_llama
+
+  model, _ = load_llama("smollm2-135m", backend=backend)
+  model.cache_layout = layout
+  assert model.init_cache(1, 8).layout == (layout or "BKSE")
+  path = resolve_drafter("shipped")
+  cfg = dataclasses.replace(recommended_config(path, max_new_tokens=NEW), cache_size=CACHE)
+  got_ar = generate(model, prompts[:4], max_new_tokens=NEW).tokens
+  got = decode(model, load_drafter(path), prompts[:4], cfg).tokens
+  check_all(smollm2[0], prompts[:4], got_ar, ar[:4])
+  check_all(smollm2[0], prompts[:4], got, ar[:4])

@@ -188,15 +188,18 @@ def test_unknown_backend_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-def test_cudnn_matches_xla_on_gpu():
+def test_cudnn_and_pallas_match_xla_on_gpu():
   rng = np.random.default_rng(0)
-  B, T, S, H, K, E = 2, 8, 64, 8, 2, 64
+  B, T, S, H, K, E = 2, 8, 256, 8, 2, 64
   q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
-  k, v = (jnp.asarray(a, jnp.bfloat16) for a in _as_cache_layout(
-      rng.standard_normal((B, K, S, E)), rng.standard_normal((B, K, S, E))))
-  mask = kvc.visible_mask(jnp.array([20, 40]), kvc.causal_mask(jnp.ones((B, T), bool)), S)
-  ref = attend(q, k, v, mask, backend="xla").astype(jnp.float32)
-  out = attend(q, k, v, mask, backend="cudnn").astype(jnp.float32)
+  k_BKSE, v_BKSE = (jnp.asarray(rng.standard_normal((B, K, S, E)), jnp.bfloat16)
+                    for _ in range(2))
+  mask = kvc.visible_mask(jnp.array([20, 140]), kvc.causal_mask(jnp.ones((B, T), bool)), S)
+  ref = attend(q, *_as_cache_layout(k_BKSE, v_BKSE), mask, backend="xla").astype(jnp.float32)
+  k_BSKE, v_BSKE = k_BKSE.transpose(0, 2, 1, 3), v_BKSE.transpose(0, 2, 1, 3)
+  out = attend(q, k_BSKE, v_BSKE, mask, backend="cudnn").astype(jnp.float32)  # its layout
+  np.testing.assert_allclose(out, ref, atol=3e-2)
+  out = attend(q, k_BKSE, v_BKSE, mask, backend="pallas").astype(jnp.float32)  # Triton
   np.testing.assert_allclose(out, ref, atol=3e-2)
 
 

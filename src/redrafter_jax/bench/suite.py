@@ -137,7 +137,8 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--param-dtype", choices=("float32", "bfloat16"),
                  help="the LLM's weights (default: --dtype); bfloat16 with float32 activations "
                  "is the fast CPU setting, and adds our float32 AR as a baseline")
-  p.add_argument("--attention", choices=("xla", "cudnn"), help="default xla (cudnn with --gpu)")
+  p.add_argument("--attention", choices=("xla", "cudnn", "pallas"),
+                 help="default xla (cudnn with --gpu)")
   p.add_argument("--gpu", action="store_true", help="NVIDIA GPU preset: bf16, cudnn attention, "
                  f"beams {GPU['beams']}, main beams {GPU['main_beams']}, batch sizes "
                  f"{GPU['batch_sizes']}; fails without a GPU")

@@ -9,6 +9,13 @@ and debugging). Calling it decodes. A call whose static shapes were seen before 
 prompt length, cache size, all-greedy or not, top-k/top-p on or off) compiles nothing and splits
 nothing; temperatures, top-p/top-k values and seeds travel as arrays.
 
+Attention cost follows the used length: the loop runs in segments, each a compiled program
+whose verify forward reads only a context bucket of the cache (``kv_cache.context_bucket``:
+powers of two from ``min_bucket`` up to the cache's size). A segment ends when every row is done
+or the longest row would outgrow its bucket; the host then picks the next bucket (one small read
+of the lengths per segment, a handful per decode). A cache of ``min_bucket`` slots or fewer has
+one bucket: one program, as before.
+
 The programs are ``jax.jit`` functions taking the graph definitions and the static settings as
 static arguments, so objects built from models of the same structure share them: ``decode()``,
 which builds a ``ReDrafter`` per call, recompiles nothing either (but splits and restricts the
@@ -31,6 +38,7 @@ from redrafter_jax.inference import sampling
 from redrafter_jax.inference.runtime import (GenerateError, cache_size_for, check_sampling,
                                              pack_prompts)
 from redrafter_jax.inference.step import DecodeState, Metrics, init, step
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter, restrict_vocab
 from redrafter_jax.models.llama import Llama
 
@@ -47,25 +55,33 @@ def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *
 
 # The loop is its own program: it depends on (B, S, cfg) but not on the prompt length, so prompts
 # of new lengths only compile the (cheap) prefill again.
-_STATIC = ("llm_def", "drafter_def", "cfg", "filtered", "greedy")
+_STATIC = ("llm_def", "drafter_def", "cfg", "filtered", "greedy", "width")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered, greedy):
+              filtered, greedy, width):
   TRACE_COUNT["decode"] += 1
   llm, drafter = nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state)
+
+  def cond(s):
+    go = ~jnp.all(s.done_B)
+    if width is None:  # the whole cache: prepare() made it hold every row to the end
+      return go
+    return go & (jnp.max(s.cache.lengths_B) + cfg.num_tree_tokens <= width)
+
   return jax.lax.while_loop(
-      lambda s: ~jnp.all(s.done_B),
-      lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered, greedy=greedy),
+      cond,
+      lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered, greedy=greedy,
+                     width=width),
       state)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def _step_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered, greedy):
+              filtered, greedy, width):
   return step(nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state), state,
-              params, stop_ids, cfg, filtered=filtered, greedy=greedy)
+              params, stop_ids, cfg, filtered=filtered, greedy=greedy, width=width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,13 +170,18 @@ class ReDrafter:
     config: the static settings (tree shape, acceptance rule, ``max_new_tokens``); its
       ``temperature``, ``top_p`` and ``top_k`` are only the defaults of each call.
 
+    min_bucket: the smallest context bucket the verify forward reads (see the module
+      docstring); None reads the whole cache at every step.
+
   The models are split when the object is built: later changes to ``llm`` or ``drafter`` are
   not seen by it (build a new one).
   """
 
-  def __init__(self, llm: Llama, drafter: Drafter, config: DecodeConfig):
+  def __init__(self, llm: Llama, drafter: Drafter, config: DecodeConfig, *,
+               min_bucket: int | None = kvc.BUCKET_MIN):
     check_models(llm, drafter)
     self.config = config
+    self.min_bucket = min_bucket
     self.static_config = static_config(config)
     self.llm_config = llm.config
     self.llm_def, self.llm_state = nnx.split(llm)
@@ -200,15 +221,29 @@ class ReDrafter:
     return _init_jit(self.llm_def, self.llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng,
                      p.stop_ids, cache_size=p.cache_size, **self._static(p))
 
+  def width(self, p: Prepared, state: DecodeState) -> int | None:
+    """The context bucket the next steps read (host side: reads the rows' lengths); None when
+    that is the whole cache."""
+    if self.min_bucket is None:
+      return None
+    need = int(jnp.max(state.cache.lengths_B)) + self.config.num_tree_tokens
+    width = kvc.context_bucket(min(need, p.cache_size), p.cache_size, self.min_bucket)
+    return None if width == p.cache_size else width
+
   def loop(self, p: Prepared, state: DecodeState) -> DecodeState:
-    """The ``loop`` program: steps until every row is done (``state`` is donated)."""
-    return _loop_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state, state,
-                     p.params, p.stop_ids, **self._static(p))
+    """The ``loop`` programs: steps until every row is done (``state`` is donated), one segment
+    per context bucket."""
+    while True:
+      width = self.width(p, state)
+      state = _loop_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
+                        state, p.params, p.stop_ids, width=width, **self._static(p))
+      if width is None or bool(jnp.all(state.done_B)):
+        return state
 
   def step(self, p: Prepared, state: DecodeState) -> DecodeState:
     """The ``step`` program: one draft -> verify -> accept -> commit (``state`` is donated)."""
     return _step_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state, state,
-                     p.params, p.stop_ids, **self._static(p))
+                     p.params, p.stop_ids, width=self.width(p, state), **self._static(p))
 
   def __call__(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
                stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,

@@ -115,11 +115,16 @@ def with_lookup_beam(beams: BeamOutput, state: DecodeState, max_ngram: int) -> B
                     score_BW=jnp.concatenate([beams.score_BW, jnp.zeros((B, 1))], axis=1))
 
 
-def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree):
-  """One LLM forward over the packed tree; its K/V land in the cache's scratch slots."""
+def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree,
+                   width: int | None = None):
+  """One LLM forward over the packed tree; its K/V land in the cache's scratch slots.
+
+  ``width`` (static; None: the whole cache) is how many cache slots attention reads: a context
+  bucket (``kv_cache.context_bucket``) holding every row's committed tokens and the N new ones.
+  """
   cache = state.cache
   positions_BN = cache.lengths_B[:, None] + tree.depth_BN
-  mask_BNS = kvc.visible_mask(cache.lengths_B, tree.mask_BNN, cache.size)
+  mask_BNS = kvc.visible_mask(cache.lengths_B, tree.mask_BNN, width or cache.size)
   hidden_BND, cache = llm.forward_hidden(tree.tokens_BN, positions_BN, mask_BNS, cache)
   return llm.logits(hidden_BND), hidden_BND, cache
 
@@ -183,7 +188,10 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
 
 
 def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.SamplingParams,
-         stop_ids, cfg: DecodeConfig, *, filtered: bool, greedy: bool = False) -> DecodeState:
+         stop_ids, cfg: DecodeConfig, *, filtered: bool, greedy: bool = False,
+         width: int | None = None) -> DecodeState:
+  """One draft -> verify -> accept -> commit. ``width`` (static): the context bucket the
+  verify forward reads (see ``verify_forward``); the caller keeps every row within it."""
   if per_row_keys(state.rng):
     keys_B2 = jax.vmap(jax.random.split)(state.rng)
     rng, key = keys_B2[:, 0], keys_B2[:, 1]
@@ -191,7 +199,7 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
     rng, key = jax.random.split(state.rng)
   state = state.replace(rng=rng)
   beams, tree = draft(llm, drafter, state, cfg)
-  logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree)
+  logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree, width)
   verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
   return commit(state, cache, verdict, hidden_BND, tree, stop_ids,
                 max_new_tokens=cfg.max_new_tokens)

@@ -93,16 +93,22 @@ def _walk(tree: Tree, beam_length: int, accept_child):
 
 def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *,
                  beam_length: int, filtered: bool) -> Verdict:
-  """Exact tree rejection sampling (greedy rows: accept exactly the argmax continuation)."""
+  """Exact tree rejection sampling (greedy rows: accept exactly the argmax continuation).
+
+  The vocabulary-wide work is one batched pass: the target distribution of every tree slot at
+  once (``[B, N, V]``, one top-k/top-p filter for all of them), from which each node keeps only
+  the probability of its own token under its parent's distribution. The walk down the tree then
+  reads ``[B, N]`` numbers per depth; only the final draw reads one vocabulary row per row.
+  """
   B, N, V = logits_BNV.shape
   keys = jax.random.split(rng, beam_length)
-  target = lambda slot_B: sampling.target_logprobs(_gather_rows_v(logits_BNV, slot_B), params,
-                                                   filtered=filtered)
+  logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
+  parent_BN = jnp.maximum(tree.parent_BN, 0)  # the root's parent is never read (not a child)
+  # p_own_BN[b, n]: P(token of node n | its parent's context), the node's acceptance numerator.
+  p_own_BN = jnp.exp(logp_BNV[jnp.arange(B)[:, None], parent_BN, tree.tokens_BN])
 
   def accept_child(d, slot_B, child_BN):
-    logp_BV = target(slot_B)
-    p_tok_BN = jnp.where(child_BN, jnp.exp(jnp.take_along_axis(logp_BV, tree.tokens_BN, axis=1)),
-                         0.0)
+    p_tok_BN = jnp.where(child_BN, p_own_BN, 0.0)
     before_BN = jnp.cumsum(p_tok_BN, axis=1) - p_tok_BN  # siblings tried earlier (slot order)
     cond_BN = p_tok_BN / jnp.maximum(1.0 - before_BN, _TINY)
     u_BN = jax.random.uniform(keys[d], (B, N))
@@ -111,7 +117,8 @@ def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *
   path_BA, num_B, drafted_BA, slot_B = _walk(tree, beam_length, accept_child)
   # The next token comes from what is left of P at the end node: its tree children were all
   # rejected (or it has none), so they are removed before sampling.
-  logp_BV = _remove_tokens(target(slot_B), tree.tokens_BN, _children_mask(tree, slot_B))
+  logp_BV = _remove_tokens(_gather_rows_v(logp_BNV, slot_B), tree.tokens_BN,
+                          _children_mask(tree, slot_B))
   next_B = sampling.sample(keys[0], logp_BV)
   return _assemble(path_BA, num_B, drafted_BA, next_B)
 

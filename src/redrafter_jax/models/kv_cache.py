@@ -1,15 +1,23 @@
-"""Static-shape KV cache with per-row lengths.
+"""Static-shape KV cache with per-row lengths, in the layout its attention backend reads best.
 
-Layout: ``k``/``v`` are tuples with one array per layer, keys ``[X, E, S]`` and values
-``[X, S, E]``, where ``X = K * B`` runs over (kv head, row) pairs, head-major (``x = k * B + b``);
-``lengths_B`` counts the committed slots of each row. A forward over T new tokens writes their K/V
-at slots ``lengths[b] .. lengths[b] + T - 1`` WITHOUT committing them; the caller then either
-``advance``s (prefill, AR step) or ``commit``s an accepted tree path (a gather of at most A slots;
-the cache is never cloned). Rows never need padding on the left: each row's prompt starts at
-slot 0 and positions are per row. ``layer_BKSE`` gives the conventional ``[B, K, S, E]`` view.
+``k``/``v`` are tuples with one array per layer; ``lengths_B`` counts the committed slots of each
+row. A forward over T new tokens writes their K/V at slots ``lengths[b] .. lengths[b] + T - 1``
+WITHOUT committing them; the caller then either ``advance``s (prefill, AR step) or ``commit``s an
+accepted tree path (a gather of at most A slots; the cache is never cloned). Rows never need
+padding on the left: each row's prompt starts at slot 0 and positions are per row.
+``layer_BKSE`` gives the conventional ``[B, K, S, E]`` view of any layout.
 
-Why this layout. Attention is two batched matmuls over ``X``, ``q[X, GT, E] @ k[X, E, S]`` and
-``p[X, GT, S] @ v[X, S, E]``: each cache array is already the operand XLA wants (one batch
+Layouts (``LAYOUTS``; the attention backend picks one, ``attention.LAYOUT``):
+
+  ``XES``   keys ``[X, E, S]``, values ``[X, S, E]``, ``X = K * B`` head-major (``x = k * B + b``):
+            the ``xla`` backend's, tuned for XLA:CPU (below).
+  ``BSKE``  keys and values ``[B, S, K, E]``: what ``jax.nn.dot_product_attention`` (cuDNN) takes
+            as it is, so a GPU step never transposes the cache.
+  ``BKSE``  keys and values ``[B, K, S, E]``: each (row, kv head) a contiguous ``[S, E]`` block,
+            the tiles the Pallas kernel streams.
+
+Why ``XES`` on XLA:CPU. Attention is two batched matmuls over ``X``, ``q[X, GT, E] @ k[X, E, S]``
+and ``p[X, GT, S] @ v[X, S, E]``: each cache array is already the operand XLA wants (one batch
 dimension, contracting dimension where the matmul reads it), so the cache is never transposed or
 reshaped inside a step. That matters beyond the transpose itself: XLA:CPU duplicates an in-place
 update that feeds a reshape, and then copies the whole buffer to keep both copies right: with the
@@ -18,6 +26,10 @@ of every K (``bench profile --mode ar`` shows them; README, "Layout"). Head-majo
 split over kv heads (tensor parallel serving) a split of the leading axis. Each layer's array is
 its own buffer so a layer's update is in place, where one stacked ``[layers, ...]`` array is
 copied whole (README, "Layout").
+
+Attention cost follows the used length: ``layer(i, width)`` is the first ``width`` slots of a
+layer, and a forward whose mask is ``[B, T, width]`` reads only those (``context_bucket`` picks
+``width`` from a few powers of two, given the longest row).
 """
 
 from __future__ import annotations
@@ -26,16 +38,32 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from redrafter_jax.errors import UserError
+
+LAYOUTS = ("XES", "BSKE", "BKSE")
+_SLOT_AXIS = {"XES": 1, "BSKE": 1, "BKSE": 2}  # the slot axis of the VALUES array
+BUCKET_MIN = 256  # the smallest context bucket (``context_bucket``)
+
+
+class CacheError(UserError, ValueError):
+  """A cache layout is unknown, or a cache does not fit the forward it is given to."""
+
+
+def check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise CacheError(f"unknown KV-cache layout {layout!r}; choose one of {LAYOUTS}")
+
 
 @struct.dataclass
 class KVCache:
-  k: tuple[jax.Array, ...]  # per layer [X, E, S], X = K * B head-major
-  v: tuple[jax.Array, ...]  # per layer [X, S, E]
+  k: tuple[jax.Array, ...]  # per layer, in ``layout`` (XES: [X, E, S]; BSKE / BKSE: 4-d)
+  v: tuple[jax.Array, ...]  # per layer, in ``layout`` (XES: [X, S, E])
   lengths_B: jax.Array  # int32 [B], committed slots per row
+  layout: str = struct.field(pytree_node=False, default="XES")
 
   @property
   def size(self) -> int:
-    return self.v[0].shape[1]
+    return self.v[0].shape[_SLOT_AXIS[self.layout]]
 
   @property
   def batch(self) -> int:
@@ -43,23 +71,55 @@ class KVCache:
 
   @property
   def num_kv_heads(self) -> int:
-    return self.v[0].shape[0] // self.batch
+    v = self.v[0]
+    return {"XES": lambda: v.shape[0] // self.batch, "BSKE": lambda: v.shape[2],
+            "BKSE": lambda: v.shape[1]}[self.layout]()
 
   @property
   def num_layers(self) -> int:
     return len(self.k)
 
-  def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-    """``(k_XES, v_XSE)`` of layer ``i``, as attention consumes them."""
-    return self.k[i], self.v[i]
+  def layer(self, i: int, width: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Layer ``i``'s ``(k, v)`` as attention consumes them: the first ``width`` slots (all when
+    None). A slice of the slot axis: its cost follows ``width``, not the cache's size."""
+    k, v = self.k[i], self.v[i]
+    if width is None or width == self.size:
+      return k, v
+    if not 0 < width <= self.size:
+      raise CacheError(f"a forward reads {width} slots of a cache of {self.size}")
+    k_axis = {"XES": 2, "BSKE": 1, "BKSE": 2}[self.layout]
+    v_axis = _SLOT_AXIS[self.layout]
+    return (jax.lax.slice_in_dim(k, 0, width, axis=k_axis),
+            jax.lax.slice_in_dim(v, 0, width, axis=v_axis))
 
   def layer_BKSE(self, i: int) -> tuple[jax.Array, jax.Array]:
     """Layer ``i``'s keys and values in the conventional ``[B, K, S, E]`` layout (a copy)."""
-    return as_BKSE(self.k[i], self.v[i], self.batch)
+    return to_BKSE(self.k[i], self.v[i], self.batch, self.layout)
+
+
+def to_BKSE(k, v, batch: int, layout: str) -> tuple[jax.Array, jax.Array]:
+  """One layer's keys and values in ``layout`` as ``[B, K, S, E]``."""
+  if layout == "XES":
+    return as_BKSE(k, v, batch)
+  if layout == "BSKE":
+    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  return k, v
+
+
+def from_BTKE(k_BTKE: jax.Array, v_BTKE: jax.Array, layout: str) -> tuple[jax.Array, jax.Array]:
+  """New keys and values ``[B, T, K, E]`` as one layer in ``layout`` with ``S = T`` (attention
+  among the T tokens alone, as training runs it)."""
+  B, T, K, E = k_BTKE.shape
+  if layout == "XES":
+    return (k_BTKE.transpose(2, 0, 3, 1).reshape(K * B, E, T),
+            v_BTKE.transpose(2, 0, 1, 3).reshape(K * B, T, E))
+  if layout == "BSKE":
+    return k_BTKE, v_BTKE
+  return k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
 
 
 def as_BKSE(k_XES: jax.Array, v_XSE: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
-  """Keys and values in the cache's layout (``X = K * B``, head-major) as ``[B, K, S, E]``."""
+  """Keys and values in the ``XES`` layout (``X = K * B``, head-major) as ``[B, K, S, E]``."""
   X, E, S = k_XES.shape
   k_KBES = k_XES.reshape(X // batch, batch, E, S)
   v_KBSE = v_XSE.reshape(X // batch, batch, S, E)
@@ -67,11 +127,14 @@ def as_BKSE(k_XES: jax.Array, v_XSE: jax.Array, batch: int) -> tuple[jax.Array, 
 
 
 def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
-         dtype=jnp.float32) -> KVCache:
-  X = num_kv_heads * batch
-  return KVCache(k=tuple(jnp.zeros((X, head_dim, size), dtype) for _ in range(num_layers)),
-                 v=tuple(jnp.zeros((X, size, head_dim), dtype) for _ in range(num_layers)),
-                 lengths_B=jnp.zeros((batch,), jnp.int32))
+         dtype=jnp.float32, layout: str = "XES") -> KVCache:
+  check_layout(layout)
+  B, S, K, E = batch, size, num_kv_heads, head_dim
+  shape_k, shape_v = {"XES": ((K * B, E, S), (K * B, S, E)), "BSKE": ((B, S, K, E),) * 2,
+                      "BKSE": ((B, K, S, E),) * 2}[layout]
+  return KVCache(k=tuple(jnp.zeros(shape_k, dtype) for _ in range(num_layers)),
+                 v=tuple(jnp.zeros(shape_v, dtype) for _ in range(num_layers)),
+                 lengths_B=jnp.zeros((batch,), jnp.int32), layout=layout)
 
 
 def _heads(B: int, T: int, K: int) -> jax.Array:
@@ -85,27 +148,56 @@ def _per_head(x_BT: jax.Array, K: int) -> jax.Array:
   return jnp.broadcast_to(x_BT[:, :, None], (*x_BT.shape, K))
 
 
+def _put(cache: KVCache, k_BTKE, v_BTKE, slots_BT, k, v, *, mode="drop"):
+  """``(k, v)`` of one layer with ``[B, T, K, E]`` values set at slots ``slots_BT`` of each row.
+
+  Advanced indices address exactly ``[B, T, K, E]`` in every layout: XES indexes axes 0 and 2
+  of k around a slice (0 and 1 of v); BSKE axes 0 and 1; BKSE axes 0 and 2 around the heads'
+  slice, which NumPy's rules move to the front.
+  """
+  B, T, K, _ = k_BTKE.shape
+  if cache.layout == "XES":
+    x_BTK, s_BTK = _heads(B, T, K), _per_head(slots_BT, K)
+    return (k.at[x_BTK, :, s_BTK].set(k_BTKE.astype(k.dtype), mode=mode),
+            v.at[x_BTK, s_BTK].set(v_BTKE.astype(v.dtype), mode=mode))
+  b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  if cache.layout == "BSKE":
+    return (k.at[b_BT, slots_BT].set(k_BTKE.astype(k.dtype), mode=mode),
+            v.at[b_BT, slots_BT].set(v_BTKE.astype(v.dtype), mode=mode))
+  return (k.at[b_BT, :, slots_BT].set(k_BTKE.astype(k.dtype), mode=mode),
+          v.at[b_BT, :, slots_BT].set(v_BTKE.astype(v.dtype), mode=mode))
+
+
+def _take(cache: KVCache, k, v, slots_BT, K: int):
+  """One layer's keys and values at slots ``slots_BT`` of each row, as ``[B, T, K, E]``."""
+  B, T = slots_BT.shape
+  if cache.layout == "XES":
+    x_BTK, s_BTK = _heads(B, T, K), _per_head(slots_BT, K)
+    return k[x_BTK, :, s_BTK], v[x_BTK, s_BTK]
+  b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  if cache.layout == "BSKE":
+    return k[b_BT, slots_BT], v[b_BT, slots_BT]
+  return k[b_BT, :, slots_BT], v[b_BT, :, slots_BT]
+
+
 def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
   """Write one layer's new K/V at each row's first uncommitted slot (no commit).
 
-  A scatter with explicit (head-row, slot) indices, in place on the layer's buffers. Slots past
-  the cache's end are dropped (never clamped back onto committed slots).
+  A scatter with explicit (row, slot) indices, in place on the layer's buffers. Slots past the
+  cache's end are dropped (never clamped back onto committed slots).
   """
-  B, T, K, _ = k_BTKE.shape
-  x_BTK = _heads(B, T, K)
-  slots_BTK = _per_head(cache.lengths_B[:, None] + jnp.arange(T)[None, :], K)
-  k_XES, v_XSE = cache.layer(layer)
-  # Advanced indices (on axes 0 and 2 of k, around a slice; 0 and 1 of v) address [B, T, K, E].
-  k_XES = k_XES.at[x_BTK, :, slots_BTK].set(k_BTKE.astype(k_XES.dtype), mode="drop")
-  v_XSE = v_XSE.at[x_BTK, slots_BTK].set(v_BTKE.astype(v_XSE.dtype), mode="drop")
+  T = k_BTKE.shape[1]
+  slots_BT = cache.lengths_B[:, None] + jnp.arange(T)[None, :]
+  k, v = _put(cache, k_BTKE, v_BTKE, slots_BT, cache.k[layer], cache.v[layer])
   put = lambda layers, c: layers[:layer] + (c,) + layers[layer + 1:]
-  return cache.replace(k=put(cache.k, k_XES), v=put(cache.v, v_XSE))
+  return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
 
 
 def visible_mask(lengths_B: jax.Array, mask_BTT: jax.Array, size: int) -> jax.Array:
   """``mask_BTS``: a new token sees every committed slot and the new tokens ``mask_BTT`` allows.
 
-  New token t of row b lives at slot ``lengths[b] + t``.
+  New token t of row b lives at slot ``lengths[b] + t``. ``size`` may be less than the cache's:
+  a forward then reads only the first ``size`` slots (``context_bucket``).
   """
   slots_S = jnp.arange(size)
   rel_BS = slots_S[None, :] - lengths_B[:, None]  # slot index relative to the first new token
@@ -123,6 +215,24 @@ def causal_mask(valid_BT: jax.Array) -> jax.Array:
   return tril_TT[None] & valid_BT[:, None, :]
 
 
+def context_buckets(size: int, minimum: int = BUCKET_MIN) -> tuple[int, ...]:
+  """The static widths a forward over a ``size``-slot cache may read: powers of two from
+  ``minimum`` below ``size``, then ``size`` itself (few widths: few compiled programs)."""
+  out, w = [], minimum
+  while w < size:
+    out.append(w)
+    w *= 2
+  return tuple(out) + (size,)
+
+
+def context_bucket(need: int, size: int, minimum: int = BUCKET_MIN) -> int:
+  """The smallest bucket of ``context_buckets(size)`` holding ``need`` slots (host side):
+  ``need`` is the longest row's committed length plus the slots the next forwards write."""
+  if need > size:
+    raise CacheError(f"{need} slots needed, but the cache has {size}")
+  return next(w for w in context_buckets(size, minimum) if w >= need)
+
+
 def advance(cache: KVCache, num_B: jax.Array) -> KVCache:
   """Commit the first ``num_B`` freshly written slots of each row (they are already in place)."""
   return cache.replace(lengths_B=cache.lengths_B + num_B.astype(jnp.int32))
@@ -136,17 +246,34 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
   ``len + path[a]`` to ``len + a``: one gather and one in-place scatter of A slots per row and
   layer (all A are moved; those past ``num_B`` stay uncommitted scratch).
   """
-  B, A = path_BA.shape
+  A = path_BA.shape[1]
   K = cache.num_kv_heads
-  x_BAK = _heads(B, A, K)
-  src_BAK = _per_head(cache.lengths_B[:, None] + path_BA, K)
-  dst_BAK = _per_head(cache.lengths_B[:, None] + jnp.arange(A)[None, :], K)
+  src_BA = cache.lengths_B[:, None] + path_BA
+  dst_BA = cache.lengths_B[:, None] + jnp.arange(A)[None, :]
 
-  def move_k(k_XES):
-    return k_XES.at[x_BAK, :, dst_BAK].set(k_XES[x_BAK, :, src_BAK], mode="drop")
+  def move(k, v):
+    k_BAKE, v_BAKE = _take(cache, k, v, src_BA, K)
+    return _put(cache, k_BAKE, v_BAKE, dst_BA, k, v)
 
-  def move_v(v_XSE):
-    return v_XSE.at[x_BAK, dst_BAK].set(v_XSE[x_BAK, src_BAK], mode="drop")
-
-  return cache.replace(k=tuple(move_k(c) for c in cache.k), v=tuple(move_v(c) for c in cache.v),
+  moved = [move(k, v) for k, v in zip(cache.k, cache.v)]
+  return cache.replace(k=tuple(m[0] for m in moved), v=tuple(m[1] for m in moved),
                        lengths_B=cache.lengths_B + num_B.astype(jnp.int32))
+
+
+def put_row(cache: KVCache, slot, row: KVCache) -> KVCache:
+  """Write a one-row cache (a prefill of ``T <= size`` slots) into row ``slot`` of ``cache``,
+  in either's layout (they must match), with the row's length. For the server's admissions."""
+  if row.layout != cache.layout or row.batch != 1:
+    raise CacheError(f"put_row needs a one-row cache of layout {cache.layout!r}")
+  K = cache.num_kv_heads
+
+  def put(full, part):
+    if cache.layout == "XES":  # [K * B, ...] head-major: viewed as [K, B, ...], the row is axis 1
+      at = (0, slot) + (0,) * (full.ndim - 1)
+      return jax.lax.dynamic_update_slice(full.reshape(K, -1, *full.shape[1:]),
+                                          part.reshape(K, 1, *part.shape[1:]), at
+                                          ).reshape(full.shape)
+    return jax.lax.dynamic_update_slice(full, part.astype(full.dtype), (slot,) + (0,) * 3)
+
+  return cache.replace(k=tuple(map(put, cache.k, row.k)), v=tuple(map(put, cache.v, row.v)),
+                       lengths_B=cache.lengths_B.at[slot].set(row.lengths_B[0]))

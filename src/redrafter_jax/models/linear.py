@@ -19,6 +19,12 @@ Facts of XLA:CPU and of rounding that shape this code:
 - a low-precision matmul with a single row is lowered to a slow generic loop: a single bf16 row
   (bf16 activations) is duplicated to two and one result kept. A split float32 row is two rows
   already.
+
+The split and the duplication are XLA:CPU workarounds, so they apply on CPU only (decided
+statically, from the platform JAX runs on, when the function is traced). Elsewhere (GPU, TPU)
+a projection is one dot: float32 activations with low-precision weights read the weights as
+float32 (XLA fuses the conversion into the matmul; exact, like float32 weights), and
+low-precision activations take the weights' dtype as they are.
 """
 
 from __future__ import annotations
@@ -28,12 +34,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def project(x_xI: jax.Array, w_OI: jax.Array, dtype) -> jax.Array:
-  """``x_xI @ w_OI.T`` for inputs of any leading shape: ``[..., I] -> [..., O]`` in ``dtype``."""
+def on_cpu() -> bool:
+  """Whether JAX computes on a CPU (static: read when a function is traced)."""
+  return jax.default_backend() == "cpu"
+
+
+def project(x_xI: jax.Array, w_OI: jax.Array, dtype, *, cpu: bool | None = None) -> jax.Array:
+  """``x_xI @ w_OI.T`` for inputs of any leading shape: ``[..., I] -> [..., O]`` in ``dtype``.
+
+  ``cpu`` (default: ``on_cpu()``) turns on XLA:CPU's workarounds (see the module docstring).
+  """
   *lead, I = x_xI.shape
   x_rI = x_xI.reshape(-1, I)
   r = x_rI.shape[0]
-  if jnp.finfo(x_rI.dtype).nmant > jnp.finfo(w_OI.dtype).nmant:
+  cpu = on_cpu() if cpu is None else cpu
+  wider_x = jnp.finfo(x_rI.dtype).nmant > jnp.finfo(w_OI.dtype).nmant
+  if not cpu:
+    y_rO = _dot(x_rI, w_OI.astype(x_rI.dtype)) if wider_x else _dot(x_rI.astype(w_OI.dtype), w_OI)
+  elif wider_x:
     # Float32 activations, low-precision weights: x = hi + lo, both in the weight's dtype, as
     # extra rows of one matmul (x keeps ~16 of its 24 mantissa bits, products are exact, sums
     # float32). Rounding x to bf16 alone would turn float32 noise into 2^-9 steps.

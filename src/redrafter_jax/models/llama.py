@@ -5,7 +5,9 @@ One forward serves prefill, an AR step and tree verification:
   ``model(tokens_BT, positions_BT, mask_BTS, cache) -> (logits_BTV, hidden_BTD, cache)``
 
 ``mask_BTS`` says which cache slots each new token sees (see ``kv_cache.visible_mask``); the new
-tokens' K/V are written at each row's first uncommitted slots and left uncommitted. With
+tokens' K/V are written at each row's first uncommitted slots and left uncommitted. The mask's
+width is how many slots attention reads: a mask narrower than the cache (a context bucket,
+``kv_cache.context_bucket``) makes attention cost follow the used length. With
 ``cache=None`` the forward attends only among the T tokens (``mask_BTS`` is then ``[B, T, T]``),
 which is what training uses. ``hidden`` is taken AFTER the final norm: it is the drafter's input.
 
@@ -25,7 +27,7 @@ from flax import nnx
 
 from redrafter_jax.config import LlamaConfig
 from redrafter_jax.models import kv_cache as kvc
-from redrafter_jax.models.attention import attend
+from redrafter_jax.models.attention import attend, cache_dtype, cache_layout
 from redrafter_jax.models.linear import Dense, Embed
 
 
@@ -91,13 +93,14 @@ class Attention(nnx.Module):
     q_BTHE = apply_rope(self.q_proj(x_BTD).reshape(B, T, H, E), cos_BTE, sin_BTE)
     k_BTKE = apply_rope(self.k_proj(x_BTD).reshape(B, T, K, E), cos_BTE, sin_BTE)
     v_BTKE = self.v_proj(x_BTD).reshape(B, T, K, E)
-    if cache is None:  # attend among the T tokens only (S = T), in the cache's layout
-      keys_XES = k_BTKE.transpose(2, 0, 3, 1).reshape(K * B, E, T)
-      values_XSE = v_BTKE.transpose(2, 0, 1, 3).reshape(K * B, T, E)
-    else:
+    if cache is None:  # attend among the T tokens only (S = T), in the backend's layout
+      layout = cache_layout(backend)
+      keys, values = kvc.from_BTKE(k_BTKE, v_BTKE, layout)
+    else:  # read only the slots the mask covers (its width: a context bucket, or the whole)
+      layout = cache.layout
       cache = kvc.write_layer(cache, layer, k_BTKE, v_BTKE)
-      keys_XES, values_XSE = cache.layer(layer)
-    out_BTHE = attend(q_BTHE, keys_XES, values_XSE, mask_BTS, backend=backend)
+      keys, values = cache.layer(layer, mask_BTS.shape[-1])
+    out_BTHE = attend(q_BTHE, keys, values, mask_BTS, backend=backend, layout=layout)
     return self.o_proj(out_BTHE.reshape(B, T, H * E)), cache
 
 
@@ -131,17 +134,19 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """The base LLM. ``backend`` picks the attention implementation (``xla`` or ``cudnn``);
+  """The base LLM. ``backend`` picks the attention implementation (``attention.BACKENDS``) and
+  with it the KV cache's layout (``init_cache``);
   ``dtype`` the activations' and the KV cache's dtype, ``param_dtype`` the weights' (None: the
   same)."""
 
   def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
-               backend: str = "xla", rngs: nnx.Rngs):
+               backend: str = "xla", cache_layout: str | None = None, rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
     self.config = cfg
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.backend = backend
+    self.cache_layout = cache_layout  # None: the backend's (only ``xla`` reads every layout)
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
     self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -180,9 +185,13 @@ class Llama(nnx.Module):
     hidden_BTD, cache = self.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
     return self.logits(hidden_BTD), hidden_BTD, cache
 
-  def init_cache(self, batch: int, size: int) -> kvc.KVCache:
+  def init_cache(self, batch: int, size: int, layout: str | None = None) -> kvc.KVCache:
+    """An empty cache in the layout (and dtype) the attention backend reads; ``layout`` (or the
+    model's ``cache_layout``) overrides it (only the ``xla`` backend reads every layout)."""
     c = self.config
-    return kvc.init(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
+    layout = layout or self.cache_layout or cache_layout(self.backend)
+    return kvc.init(c.num_layers, batch, size, c.num_kv_heads, c.head_dim,
+                    cache_dtype(self.backend, self.dtype), layout)
 
 
 def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
