@@ -119,6 +119,12 @@ def _finish(batch: SlotBatch, old: step_lib.DecodeState, new: step_lib.DecodeSta
   return batch.replace(state=new.replace(done_B=done_B)), out
 
 
+def release(batch: SlotBatch, live_B) -> SlotBatch:
+  """Mark rows whose request ended on the host (stop string, cancelled, failed) done, so they
+  stop decoding: the host says which slots still hold a request (``live_B``)."""
+  return batch.replace(state=batch.state.replace(done_B=batch.state.done_B | ~live_B))
+
+
 def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig, *,
               filtered: bool, greedy: bool = False) -> tuple[SlotBatch, StepOut]:
   """One ReDrafter step (draft, verify, accept, commit) for every slot. ``greedy`` (static) when
@@ -128,9 +134,10 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
   return _finish(batch, batch.state, new, cfg.beam_length)
 
 
-def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool
+def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool, width: int = 1
             ) -> tuple[SlotBatch, StepOut]:
-  """One autoregressive token for every slot (the same bookkeeping as ``spec_step``)."""
+  """One autoregressive token for every slot (the same bookkeeping as ``spec_step``); ``width``
+  pads ``StepOut.tokens_BA`` to the speculative step's width, so both modes return one shape."""
   s = batch.state
   B = s.g0_B.shape[0]
   M = s.out.tokens_BM.shape[1]
@@ -152,4 +159,4 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool
                   h_BD=jnp.where(active_B[:, None], hidden_B1D[:, 0], s.h_BD),
                   out=out.replace(steps=out.steps + 1), done_B=done_B, rng=keys_B2[:, 0],
                   metrics=metrics)
-  return _finish(batch, s, new, 1)
+  return _finish(batch, s, new, width)

@@ -9,10 +9,10 @@ donated, so the batch never leaves the devices; only ``StepOut`` and the first t
 
 from __future__ import annotations
 
-import re
-
 import dataclasses
 import logging
+import re
+import time
 from typing import Sequence
 
 import jax
@@ -27,6 +27,8 @@ from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import batch as batch_lib
+from redrafter_jax.serving import policy as policy_lib
+from redrafter_jax.serving import rows as rows_lib
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class Placement:
     self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
     self._out = (self._batch_sharding, repl)
     self._admit_fns: dict[bool, object] = {}
-    self._step_fns: dict[bool, object] = {}
+    self._step_fns: dict[tuple, object] = {}
     self._seen: set[tuple[int, bool]] = set()
 
   def _shardings(self, abstract_batch, num_kv_heads: int):
@@ -97,16 +99,29 @@ class Placement:
     return sorted({prompt_bucket(n, cfg.min_bucket, cfg.max_context)
                    for n in range(1, longest + 1)})
 
-  def warmup(self) -> None:
+  def warmup(self, timed_runs: int = 3) -> dict[tuple[int, str, str], float]:
     """Compile every program the server can meet by running each once: the prefill of each
-    prompt bucket with and without the top-k/top-p filter, and the step in each mode (greedy,
-    sampled, filtered). Then a fresh batch: serving never compiles."""
+    prompt bucket with and without the top-k/top-p filter, and the step for each row bucket,
+    mode (AR, tree) and sampling kind (greedy, sampled, filtered). Each step is then timed
+    (the best of ``timed_runs``); returns those seconds by (rows, mode, kind), the cost table of
+    ``policy.choose``. Then a fresh batch: serving never compiles."""
     for T in self.buckets():
       for filtered in (False, True):
         self.admit(0, [0] * T, 0, 1.0 if filtered else 0.0, 0.5 if filtered else 1.0, 0, 1)
-    for filtered, greedy in ((False, True), (False, False), (True, False)):
-      self.step(filtered, greedy)
+    seconds = {}
+    for b in self.row_buckets():
+      rows, live = list(range(b)), [False] * b
+      for mode in self.modes():
+        for kind in policy_lib.KINDS:
+          filtered, greedy = kind == "filtered", kind == "greedy"
+          best = float("inf")
+          for _ in range(timed_runs + 1):  # the first run compiles
+            t0 = time.perf_counter()
+            jax.block_until_ready(self.step(rows, live, filtered, greedy, mode))
+            best = min(best, time.perf_counter() - t0)
+          seconds[b, mode, kind] = best
     self.reset()
+    return seconds
 
   def compiled_programs(self) -> int:
     """How many programs the jitted calls hold (grows when something compiles)."""
@@ -122,8 +137,9 @@ class Placement:
     self.batch = self._new_batch()
 
   def admit(self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float,
-            top_k: int, max_tokens: int) -> int:
-    """Prefill ``prompt`` into ``slot``; returns the request's first token."""
+            top_k: int, max_tokens: int) -> jax.Array:
+    """Dispatch the prefill of ``prompt`` into ``slot``; returns the request's first token as a
+    device scalar, without waiting for it."""
     cfg = self.config
     filtered = temperature > 0 and (top_p < 1 or top_k > 0)
     fn = self._admit_fns.get(filtered)
@@ -145,26 +161,48 @@ class Placement:
                            np.int32(len(prompt)), np.uint32(seed & 0xFFFFFFFF),
                            np.uint32(seed >> 32), np.float32(temperature), np.float32(top_p),
                            np.int32(top_k), np.int32(max_tokens), self.stop_ids)
-    return int(first)
+    return first
 
-  def step(self, filtered: bool, greedy: bool = False) -> batch_lib.StepOut:
-    """One step for every slot; returns the host copy of what each row gained. ``greedy``: every
-    active request has temperature 0 (a program of its own that accepts by argmax)."""
-    fn = self._step_fns.get((filtered, greedy))
+  def row_buckets(self) -> list[int]:
+    """The sub-batch sizes a step runs on: powers of two below the slot count, and all slots."""
+    return policy_lib.row_buckets(self.config.slots)
+
+  def modes(self) -> tuple[str, ...]:
+    """Step kinds: plain AR always; ReDrafter's tree step when the engine has a drafter."""
+    return ("ar", "spec") if self.config.speculative else ("ar",)
+
+  def step(self, rows: Sequence[int], live: Sequence[bool], filtered: bool,
+           greedy: bool = False, mode: str | None = None) -> batch_lib.StepOut:
+    """Dispatch one step for the slots ``rows`` (a row bucket's worth, distinct); returns the
+    device ``StepOut`` of those rows, in that order, without waiting for it. ``live[i]``: slot
+    ``rows[i]`` still holds a request (the others are marked done first). ``greedy``: every live
+    request has temperature 0 (a program of its own that accepts by argmax). ``mode``: "spec"
+    (ReDrafter; the default with a drafter) or "ar"."""
+    mode = mode or self.modes()[-1]
+    b = len(rows)
+    if b not in self.row_buckets() or mode not in self.modes():
+      raise ValueError(f"no step for {b} rows in mode {mode!r}")
+    key = (b, mode, filtered, greedy and mode == "spec")
+    fn = self._step_fns.get(key)
     if fn is None:
-      fn = self._step_fns[filtered, greedy] = self._make_step(filtered, greedy)
-    self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids)
-    return jax.device_get(out)
+      fn = self._step_fns[key] = self._make_step(*key)
+    self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids,
+                         np.asarray(rows, np.int32), np.asarray(live, bool))
+    return out
 
-  def _make_step(self, filtered: bool, greedy: bool):
+  def _make_step(self, rows: int, mode: str, filtered: bool, greedy: bool):
     llm_def, drafter_def, dcfg = self._llm_def, self._drafter_def, self._decode
-    speculative = self.config.speculative
+    whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
+    width = dcfg.beam_length if self.config.speculative else 1
 
-    def step(llm_state, drafter_state, batch, stop_ids):
+    def step(llm_state, drafter_state, batch, stop_ids, idx_b, live_b):
       llm = nnx.merge(llm_def, llm_state)
-      if speculative:
-        return batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), batch, stop_ids,
-                                   dcfg, filtered=filtered, greedy=greedy)
-      return batch_lib.ar_step(llm, batch, stop_ids, filtered=filtered)
+      sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b), live_b)
+      if mode == "spec":
+        sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
+                                       stop_ids, dcfg, filtered=filtered, greedy=greedy)
+      else:
+        sub, out = batch_lib.ar_step(llm, sub, stop_ids, filtered=filtered, width=width)
+      return (sub if whole else rows_lib.put(batch, idx_b, sub)), out
 
     return jax.jit(step, donate_argnums=(2,), out_shardings=self._out)
