@@ -349,9 +349,9 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
   assert engine.warmup() > 0
   assert engine._place.buckets() == [16, 32, 64]
   compiled = engine._place.compiled_programs()
-  # prompt buckets x filter on/off; per row bucket (1, 2, 4): 3 tree steps, 2 AR steps
+  # a prefill per prompt bucket; per row bucket (1, 2, 4): a tree step and an AR step
   assert engine._place.row_buckets() == [1, 2, 4]
-  assert compiled == 3 * 2 + 3 * (3 + 2)
+  assert compiled == 3 + 3 * 2
   greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
   sampled = [GenerationRequest(PROMPTS[i], max_tokens=4, temperature=0.8, top_p=p, top_k=k,
                                seed=i) for i, p, k in ((1, 1.0, 0), (4, 0.9, 0), (6, 1.0, 5))]

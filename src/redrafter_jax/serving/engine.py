@@ -193,8 +193,8 @@ class Engine:
     if self.config.adaptive:
       self.step_seconds = costs
     seconds = time.perf_counter() - t0
-    log.info("warm-up: compiled %d prompt buckets x filter on/off and steps for %s rows x "
-             "modes %s x 3 sampling kinds in %.1f s", len(self._place.buckets()),
+    log.info("warm-up: compiled %d prompt buckets and steps for %s rows x modes %s (then timed "
+             "each for 3 sampling kinds) in %.1f s", len(self._place.buckets()),
              self._place.row_buckets(), self._place.modes(), seconds)
     log.info("step seconds (rows, mode, kind): %s",
              ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))

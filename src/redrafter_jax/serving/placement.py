@@ -3,8 +3,10 @@
 The base LLM is split over the ``model`` axis of a device mesh (tensor parallel, the rules of
 ``sharding.py``); the drafter is replicated; the slot batch keeps its KV cache split over kv
 heads where the axis divides them, everything else replicated. On one device all of this is a
-no-op. Each call is jitted once per static shape (prompt bucket, filter on/off) with the batch
-donated, so the batch never leaves the devices; only ``StepOut`` and the first token come back.
+no-op. Each call is jitted once per static shape (prompt bucket; step rows and mode) with the
+batch donated, so the batch never leaves the devices; only ``StepOut`` and the first token come
+back. The sampling kind (greedy, sampled, top-k/top-p) is a run-time argument of one program, so
+the heavy forward passes compile once per shape.
 """
 
 from __future__ import annotations
@@ -77,9 +79,9 @@ class Placement:
     self.batch = self._new_batch()
     self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
     self._out = (self._batch_sharding, repl)
-    self._admit_fns: dict[bool, object] = {}
-    self._step_fns: dict[tuple, object] = {}
-    self._seen: set[tuple[int, bool]] = set()
+    self._admit_fn = None
+    self._step_fns: dict[tuple[int, str], object] = {}
+    self._seen: set[int] = set()
 
   def _shardings(self, abstract_batch, num_kv_heads: int):
     model = self.mesh.shape[sh.MODEL]
@@ -101,13 +103,12 @@ class Placement:
 
   def warmup(self, timed_runs: int = 3) -> dict[tuple[int, str, str], float]:
     """Compile every program the server can meet by running each once: the prefill of each
-    prompt bucket with and without the top-k/top-p filter, and the step for each row bucket,
-    mode (AR, tree) and sampling kind (greedy, sampled, filtered). Each step is then timed
+    prompt bucket and the step for each row bucket and mode (AR, tree); one program serves
+    every sampling kind (greedy, sampled, filtered). Each step and kind is then timed
     (the best of ``timed_runs``); returns those seconds by (rows, mode, kind), the cost table of
     ``policy.choose``. Then a fresh batch: serving never compiles."""
     for T in self.buckets():
-      for filtered in (False, True):
-        self.admit(0, [0] * T, 0, 1.0 if filtered else 0.0, 0.5 if filtered else 1.0, 0, 1)
+      self.admit(0, [0] * T, 0, 0.0, 1.0, 0, 1)
     seconds = {}
     for b in self.row_buckets():
       rows, live = list(range(b)), [False] * b
@@ -115,7 +116,7 @@ class Placement:
         for kind in policy_lib.KINDS:
           filtered, greedy = kind == "filtered", kind == "greedy"
           best = float("inf")
-          for _ in range(timed_runs + 1):  # the first run compiles
+          for _ in range(timed_runs + 1):  # the very first run compiles
             t0 = time.perf_counter()
             jax.block_until_ready(self.step(rows, live, filtered, greedy, mode))
             best = min(best, time.perf_counter() - t0)
@@ -125,7 +126,7 @@ class Placement:
 
   def compiled_programs(self) -> int:
     """How many programs the jitted calls hold (grows when something compiles)."""
-    fns = list(self._admit_fns.values()) + list(self._step_fns.values())
+    fns = [self._admit_fn] * (self._admit_fn is not None) + list(self._step_fns.values())
     return sum(fn._cache_size() for fn in fns)
 
   def batch_intact(self) -> bool:
@@ -142,25 +143,24 @@ class Placement:
     device scalar, without waiting for it."""
     cfg = self.config
     filtered = temperature > 0 and (top_p < 1 or top_k > 0)
-    fn = self._admit_fns.get(filtered)
-    if fn is None:
+    if self._admit_fn is None:
       llm_def = self._llm_def
 
       def admit(llm_state, batch, *args):
-        return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args, filtered=filtered)
+        return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args)
 
-      fn = self._admit_fns[filtered] = jax.jit(admit, donate_argnums=(1,),
-                                               out_shardings=self._out)
+      self._admit_fn = jax.jit(admit, donate_argnums=(1,), out_shardings=self._out)
     T = prompt_bucket(len(prompt), cfg.min_bucket, cfg.max_context)
-    if (T, filtered) not in self._seen:
-      self._seen.add((T, filtered))
-      log.info("first prompt of bucket %d (filter %s): compiling its prefill", T, filtered)
+    if T not in self._seen:
+      self._seen.add(T)
+      log.info("first prompt of bucket %d: compiling its prefill", T)
     tokens_1T = np.zeros((1, T), np.int32)
     tokens_1T[0, :len(prompt)] = prompt
-    self.batch, first = fn(self.llm_state, self.batch, np.int32(slot), tokens_1T,
-                           np.int32(len(prompt)), np.uint32(seed & 0xFFFFFFFF),
-                           np.uint32(seed >> 32), np.float32(temperature), np.float32(top_p),
-                           np.int32(top_k), np.int32(max_tokens), self.stop_ids)
+    self.batch, first = self._admit_fn(
+        self.llm_state, self.batch, np.int32(slot), tokens_1T, np.int32(len(prompt)),
+        np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.float32(temperature),
+        np.float32(top_p), np.int32(top_k), np.int32(max_tokens), self.stop_ids,
+        np.bool_(filtered))
     return first
 
   def row_buckets(self) -> list[int]:
@@ -182,27 +182,27 @@ class Placement:
     b = len(rows)
     if b not in self.row_buckets() or mode not in self.modes():
       raise ValueError(f"no step for {b} rows in mode {mode!r}")
-    key = (b, mode, filtered, greedy and mode == "spec")
-    fn = self._step_fns.get(key)
+    fn = self._step_fns.get((b, mode))
     if fn is None:
-      fn = self._step_fns[key] = self._make_step(*key)
+      fn = self._step_fns[b, mode] = self._make_step(b, mode)
+    kind = policy_lib.KINDS.index(policy_lib.kind_of(filtered, greedy))
     self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids,
-                         np.asarray(rows, np.int32), np.asarray(live, bool))
+                         np.asarray(rows, np.int32), np.asarray(live, bool), np.int32(kind))
     return out
 
-  def _make_step(self, rows: int, mode: str, filtered: bool, greedy: bool):
+  def _make_step(self, rows: int, mode: str):
     llm_def, drafter_def, dcfg = self._llm_def, self._drafter_def, self._decode
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
     width = dcfg.beam_length if self.config.speculative else 1
 
-    def step(llm_state, drafter_state, batch, stop_ids, idx_b, live_b):
+    def step(llm_state, drafter_state, batch, stop_ids, idx_b, live_b, kind):
       llm = nnx.merge(llm_def, llm_state)
       sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b), live_b)
       if mode == "spec":
         sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
-                                       stop_ids, dcfg, filtered=filtered, greedy=greedy)
+                                       stop_ids, dcfg, kind)
       else:
-        sub, out = batch_lib.ar_step(llm, sub, stop_ids, filtered=filtered, width=width)
+        sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width)
       return (sub if whole else rows_lib.put(batch, idx_b, sub)), out
 
     return jax.jit(step, donate_argnums=(2,), out_shardings=self._out)
