@@ -400,6 +400,10 @@ class Engine:
     kind = policy_lib.kind_of(filtered, greedy)
     costs = self.step_seconds if greedy or self.config.adaptive_sampled else None
     mode = policy_lib.choose(b, kind, costs, self.acceptance.table(), self._place.modes())
+    # CONTEXT BUCKET (not wired yet): attention still reads all ``max_context`` cache slots.
+    # When the LLM forward takes a static context-length bucket (models/, in progress), pass
+    # the smallest bucket holding max(len(prompt) + len(tokens)) + scratch over ``actives``
+    # here, as a step program key beside (rows, mode), compiled at warm-up like the others.
     t0 = time.perf_counter()
     out = self._place.step(rows, [a is not None for a in actives], filtered, greedy, mode)
     self.step_counts[b, mode] += 1

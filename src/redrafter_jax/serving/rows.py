@@ -17,18 +17,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+def _cache_index(idx_b: jax.Array, X: int, B: int) -> jax.Array:
+  """Rows of ``[K * B, ...]`` holding slots ``idx_b``, kv head major: ``k * b + i``."""
+  K = X // B
+  return (jnp.arange(K)[:, None] * B + idx_b[None, :]).reshape(-1)
+
+
 def _cache_rows(x_Xx: jax.Array, idx_b: jax.Array, B: int) -> jax.Array:
-  K = x_Xx.shape[0] // B
-  x_KBx = x_Xx.reshape(K, B, *x_Xx.shape[1:])
-  return jnp.take(x_KBx, idx_b, axis=1).reshape(K * idx_b.shape[0], *x_Xx.shape[1:])
+  return x_Xx[_cache_index(idx_b, x_Xx.shape[0], B)]
 
 
 def _put_cache_rows(x_Xx: jax.Array, idx_b: jax.Array, rows_Xx: jax.Array, B: int) -> jax.Array:
-  K = x_Xx.shape[0] // B
-  b = idx_b.shape[0]
-  x_KBx = x_Xx.reshape(K, B, *x_Xx.shape[1:])
-  rows_Kbx = rows_Xx.reshape(K, b, *x_Xx.shape[1:])
-  return x_KBx.at[:, idx_b].set(rows_Kbx).reshape(x_Xx.shape)
+  # A scatter on the donated buffer as it is (no reshape: XLA:CPU copies a whole buffer whose
+  # in-place update feeds a reshape), so only the b rows are written.
+  return x_Xx.at[_cache_index(idx_b, x_Xx.shape[0], B)].set(rows_Xx)
 
 
 def _is_row_leaf(x) -> bool:
