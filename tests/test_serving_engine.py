@@ -16,6 +16,7 @@ from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving.engine import (Delta, Engine, EngineConfig, Failed, Finished,
                                           GenerationRequest, QueueFull, RequestError)
+from redrafter_jax.serving import policy
 from redrafter_jax.serving.placement import serving_mesh
 from redrafter_jax.serving.textstream import TextStream
 
@@ -118,6 +119,33 @@ def test_concurrent_greedy_equals_decode(llm, tok, random_drafter, reference, se
     assert accepted / steps > 0.8, (accepted, steps)
   if kind == "ar":
     assert accepted == 0 and all(s["mode"] == "ar" for s in spec)
+
+
+def test_steps_follow_the_load_with_identical_greedy_output(self_engine, reference):
+  """With a cost table in which a tree pays at one row only, steps with 2+ rows run as plain
+  AR steps on their row bucket and 1-row steps as tree steps; every greedy request still gets
+  exactly ``decode()``'s tokens. A request alone runs on the 1-row bucket."""
+  engine = self_engine
+  buckets = engine._place.row_buckets()
+  fake = {(b, m, k): 0.01 if m == "ar" else 0.011 if b == 1 else 1.0
+          for b in buckets for m in policy.MODES for k in policy.KINDS}
+  before = engine.step_counts.copy()
+  engine.step_seconds = fake
+  try:
+    reqs = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    results, _ = run_concurrently(engine, reqs)
+    mixed = engine.step_counts - before
+    alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
+    single = engine.step_counts - before - mixed
+  finally:
+    engine.step_seconds = None
+  for i, (r, m) in enumerate(zip(results, MAX_TOKENS)):
+    assert r.token_ids == expected(reference[i], m), i
+  assert alone.token_ids == expected(reference[2], 12)
+  assert set(mixed) <= {(1, "spec")} | {(b, "ar") for b in buckets[1:]}, mixed
+  assert mixed[1, "spec"] > 0 and mixed[4, "ar"] > 0
+  assert set(single) == {(1, "spec")}
+  assert alone.usage["speculative"]["accepted_tokens"] > 0
 
 
 def test_seed_reproducible_regardless_of_batch(self_engine):
@@ -321,7 +349,9 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
   assert engine.warmup() > 0
   assert engine._place.buckets() == [16, 32, 64]
   compiled = engine._place.compiled_programs()
-  assert compiled == 3 * 2 + 3
+  # a prefill per prompt bucket; per row bucket (1, 2, 4): a tree step and an AR step
+  assert engine._place.row_buckets() == [1, 2, 4]
+  assert compiled == 3 + 3 * 2
   greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
   sampled = [GenerationRequest(PROMPTS[i], max_tokens=4, temperature=0.8, top_p=p, top_k=k,
                                seed=i) for i, p, k in ((1, 1.0, 0), (4, 0.9, 0), (6, 1.0, 5))]

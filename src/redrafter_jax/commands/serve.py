@@ -45,6 +45,10 @@ def add_arguments(p):
                  help="devices on the tensor-parallel model axis (default: all local devices)")
   p.add_argument("--served-model-name", default=None,
                  help="the model id clients use (default: the preset's model)")
+  p.add_argument("--compile-cache", default=None, metavar="DIR",
+                 help="keep compiled programs in DIR, so a restart loads them instead of "
+                      "compiling again (default: xla/ in the model cache folder, "
+                      "$REDRAFTER_JAX_CACHE or ~/.cache/redrafter_jax; 'off' to disable)")
   p.add_argument("--no-warmup", action="store_true",
                  help="skip compiling every prompt bucket and step mode before accepting "
                       "requests (the first request of each kind then waits for a compile)")
@@ -55,6 +59,7 @@ def run(args) -> int:
   from redrafter_jax.serving import server
 
   preset = load_preset(args.config, parse_overrides(args.overrides))
+  server.use_compile_cache(args.compile_cache)
   srv = server.build(
       preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
       default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,

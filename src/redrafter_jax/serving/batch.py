@@ -1,20 +1,23 @@
 """The server's device-side batch: B request slots decoded together, with static shapes.
 
 ``SlotBatch`` is a ``DecodeState`` over B slots plus each slot's sampling settings and token
-limit. Three pure functions change it (the engine jits each once per static shape, donating the
+limit. Four pure functions change it (the engine jits each once per static shape, donating the
 batch, so nothing of it makes a host round trip):
 
   ``admit``     prefill one prompt (batch 1, length bucketed by the caller), choose its first
                 token with the request's own key, and write the row into a slot: cache row,
                 g0, h, output row, done flag, metrics row, sampling settings, key, limit.
+  ``release``   mark the rows whose request ended on the host done (they stop decoding);
   ``spec_step`` one ReDrafter step (``inference.step.step``) for every slot;
-  ``ar_step``   one plain autoregressive step (the server's ReDrafter-off mode).
+  ``ar_step``   one plain autoregressive step (the ReDrafter-off mode, and the steps where a
+                tree does not pay).
 
 Both steps return a small ``StepOut`` (the tokens each row gained, counts, flags), which is all
 the host reads per step. Every slot keeps its own PRNG key, split once per step, so a request's
 draws depend on its seed and its own progress only, never on which slot it sits in or who else
-is in the batch. A slot whose request ended on the host (stop string, cancelled) may keep
-decoding until it is reused: its row is independent and nothing reads it.
+is in the batch (for a given step mode: AR and tree steps draw differently). A slot whose request
+ended on the host (stop string, cancelled) is released at the next step that includes its row;
+until then it may keep decoding: its row is independent and nothing reads it.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def request_key(seed_lo, seed_hi) -> jax.Array:
 
 
 def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_hi, temperature,
-          top_p, top_k, limit, stop_ids, *, filtered: bool) -> tuple[SlotBatch, jax.Array]:
-  """Prefill one prompt into ``slot``; returns the batch and the request's first token."""
+          top_p, top_k, limit, stop_ids, filtered) -> tuple[SlotBatch, jax.Array]:
+  """Prefill one prompt into ``slot``; returns the batch and the request's first token.
+  ``filtered`` (traced bool): the request uses top-k/top-p (one program serves both)."""
   s = batch.state
   M = s.out.tokens_BM.shape[1]
   T = tokens_1T.shape[1]
@@ -76,7 +80,8 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
   logits_1V, h_1D, row_cache = prefill(llm, tokens_1T, length_1, llm.init_cache(1, T))
   params_1 = sampling.SamplingParams.make(1, temperature, top_p, top_k)
   rng, key = jax.random.split(request_key(seed_lo, seed_hi))
-  g0_1 = sampling.sample(key, sampling.target_logprobs(logits_1V, params_1, filtered=filtered))
+  draw = lambda f: sampling.sample(key, sampling.target_logprobs(logits_1V, params_1, filtered=f))
+  g0_1 = jax.lax.cond(filtered, lambda: draw(True), lambda: draw(False))
   out_1, done_1 = record(empty_output(1, M), jnp.zeros((1,), bool), g0_1[:, None],
                          jnp.ones((1,), jnp.int32), stop_ids, M)
   done_1 = done_1 | (limit <= 1)
@@ -119,18 +124,37 @@ def _finish(batch: SlotBatch, old: step_lib.DecodeState, new: step_lib.DecodeSta
   return batch.replace(state=new.replace(done_B=done_B)), out
 
 
-def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig, *,
-              filtered: bool, greedy: bool = False) -> tuple[SlotBatch, StepOut]:
-  """One ReDrafter step (draft, verify, accept, commit) for every slot. ``greedy`` (static) when
-  every active request is greedy; rows' random keys advance the same either way."""
-  new = step_lib.step(llm, drafter, batch.state, batch.params, stop_ids, cfg,
-                        filtered=filtered, greedy=greedy)
-  return _finish(batch, batch.state, new, cfg.beam_length)
+def release(batch: SlotBatch, live_B) -> SlotBatch:
+  """Mark rows whose request ended on the host (stop string, cancelled, failed) done, so they
+  stop decoding: the host says which slots still hold a request (``live_B``)."""
+  return batch.replace(state=batch.state.replace(done_B=batch.state.done_B | ~live_B))
 
 
-def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool
+def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig,
+              kind) -> tuple[SlotBatch, StepOut]:
+  """One ReDrafter step (draft, verify, accept, commit) for every slot: ``inference.step.step``
+  with its acceptance rule chosen at run time by ``kind`` (traced int32; 0 greedy: every active
+  request has temperature 0, the argmax walk; 1 sampled; 2 top-k/top-p filtered), so one
+  program serves every sampling kind and the draft and verify forward compile once. Rows'
+  random keys advance the same in every kind."""
+  s = batch.state
+  keys_B2 = jax.vmap(jax.random.split)(s.rng)
+  state = s.replace(rng=keys_B2[:, 0])
+  beams, tree = step_lib.draft(llm, drafter, state, cfg)
+  logits_BNV, hidden_BND, cache = step_lib.verify_forward(llm, state, tree)
+  rule = lambda filtered, greedy: lambda: step_lib.accept(
+      keys_B2[:, 1], beams, tree, logits_BNV, batch.params, cfg, filtered, greedy)
+  verdict = jax.lax.switch(kind, [rule(False, True), rule(False, False), rule(True, False)])
+  new = step_lib.commit(state, cache, verdict, hidden_BND, tree, stop_ids,
+                        max_new_tokens=cfg.max_new_tokens)
+  return _finish(batch, s, new, cfg.beam_length)
+
+
+def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1
             ) -> tuple[SlotBatch, StepOut]:
-  """One autoregressive token for every slot (the same bookkeeping as ``spec_step``)."""
+  """One autoregressive token for every slot (the same bookkeeping as ``spec_step``; ``kind``
+  as there: the top-k/top-p filter runs for kind 2 only); ``width`` pads ``StepOut.tokens_BA``
+  to the speculative step's width, so both modes return one shape."""
   s = batch.state
   B = s.g0_B.shape[0]
   M = s.out.tokens_BM.shape[1]
@@ -140,7 +164,8 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool
   mask_B1S = kvc.visible_mask(c.lengths_B, jnp.ones((B, 1, 1), bool), c.size)
   logits_B1V, hidden_B1D, cache = llm(s.g0_B[:, None], c.lengths_B[:, None], mask_B1S, c)
   cache = kvc.advance(cache, active_B.astype(jnp.int32))
-  logp_BV = sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=filtered)
+  target = lambda f: lambda: sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=f)
+  logp_BV = jax.lax.cond(kind == 2, target(True), target(False))
   next_B = jax.vmap(lambda k, lp_V: sampling.sample(k, lp_V[None])[0])(keys_B2[:, 1], logp_BV)
   out, done_B = record(s.out, s.done_B, next_B[:, None], jnp.ones((B,), jnp.int32), stop_ids, M)
   on_B = active_B.astype(jnp.int32)
@@ -152,4 +177,4 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, *, filtered: bool
                   h_BD=jnp.where(active_B[:, None], hidden_B1D[:, 0], s.h_BD),
                   out=out.replace(steps=out.steps + 1), done_B=done_B, rng=keys_B2[:, 0],
                   metrics=metrics)
-  return _finish(batch, s, new, 1)
+  return _finish(batch, s, new, width)

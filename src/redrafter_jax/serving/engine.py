@@ -2,11 +2,16 @@
 
 The engine owns one thread, the only one that touches JAX after start-up. Its loop:
   1. move waiting requests into free slots (``batch.admit``: a batch-1 prefill at a bucketed
-     prompt length, written into the slot's row on the device);
-  2. run one step for all slots (ReDrafter ``spec_step``, or ``ar_step`` with speculation off);
-  3. read the few tokens each row gained, turn them into text (``TextStream``: stop strings,
-     partial characters), and hand events to each request's ``sink``. A request that ends
-     (stop token, stop string, max_tokens, cancelled) frees its slot at once.
+     prompt length, written into the slot's row on the device; dispatched, not waited for);
+  2. dispatch one step for the occupied slots: on the smallest row bucket that holds them
+     (``rows``: the step costs what its rows cost, not what all slots cost), as a ReDrafter tree
+     step or a plain AR step, whichever gives more tokens per second at that many rows
+     (``policy``: step times measured at warm-up, acceptance observed while serving);
+  3. while that step runs, read the previous step's tokens (and the new requests' first tokens),
+     turn them into text (``TextStream``: stop strings, partial characters), and hand events to
+     each request's ``sink``. A request that ends (stop token, stop string, max_tokens,
+     cancelled) frees its slot at once; whatever the step already in flight computed for it is
+     dropped (each step remembers which request held each of its rows).
 Requests wait in a bounded queue; ``submit`` raises ``QueueFull`` beyond it instead of blocking.
 A fault in one request's own work (its prefill, its detokenization or stop strings) fails that
 request alone (``Failed``, its slot freed) and the others carry on; only a failed batched step,
@@ -17,6 +22,7 @@ to its event loop).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -26,9 +32,12 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import jax
+
 from redrafter_jax.config import ConfigError, DecodeConfig
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
+from redrafter_jax.serving import policy as policy_lib
 from redrafter_jax.serving.metrics import ServingMetrics
 from redrafter_jax.serving.placement import Placement
 from redrafter_jax.serving.request import (Delta, EngineStopped, Event, Failed, Finished,
@@ -51,6 +60,16 @@ class EngineConfig:
   speculative: bool = True  # False: plain autoregressive steps (for comparison)
   decode: DecodeConfig = DecodeConfig()  # beam width/length, acceptance rule, token budget
   min_bucket: int = 16  # prompts are padded to a power of two >= this (few compiles)
+  # Per step, a plain AR step instead of the tree when it gives more tokens per second at that
+  # many rows (needs the step times ``warmup`` measures; without them the tree always runs).
+  adaptive: bool = True
+  # Switch modes for sampled requests too. Off by default: a sampled request's draws differ
+  # between the modes, so a seeded request would give the same tokens only under the same load
+  # (greedy ones are identical in both modes).
+  adaptive_sampled: bool = False
+  # ReDrafter tokens per step per row assumed before any is observed (None: beam_length, the
+  # most a step can give, so the tree is tried until acceptance is known).
+  prior_tokens_per_step: float | None = None
 
   def __post_init__(self):
     for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket"):
@@ -58,6 +77,9 @@ class EngineConfig:
         raise ConfigError(f"serving: {name} must be an integer >= 1, got {getattr(self, name)!r}")
     if not isinstance(self.max_queue, int) or self.max_queue < 0:
       raise ConfigError(f"serving: max_queue must be an integer >= 0, got {self.max_queue!r}")
+    p = self.prior_tokens_per_step
+    if p is not None and not 1.0 <= p <= self.decode.beam_length:
+      raise ConfigError(f"serving: prior_tokens_per_step must be in [1, beam_length], got {p!r}")
 
   @property
   def scratch(self) -> int:
@@ -102,6 +124,17 @@ class _Active:
   first_token_at: float | None = None
 
 
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched step: its device output and which request held each of its rows then."""
+
+  out: object  # batch.StepOut on the device; row i is slot rows[i]
+  rows: list[int]
+  actives: list["_Active | None"]
+  mode: str
+  dispatched_at: float
+
+
 class Engine:
   """Continuous-batching ReDrafter (or AR) generation over ``config.slots`` slots."""
 
@@ -136,6 +169,12 @@ class Engine:
     self._slots: list[_Active | None] = [None] * config.slots
     self._stopping = threading.Event()
     self._thread: threading.Thread | None = None
+    self._firsts: list[tuple[int, _Active, object, float]] = []  # admitted, first token unread
+    self._last_collect = 0.0
+    self.step_seconds: dict[tuple[int, str, str], float] | None = None  # measured by warmup
+    self.acceptance = policy_lib.Acceptance(config.prior_tokens_per_step or
+                                            float(config.decode.beam_length))
+    self.step_counts: collections.Counter = collections.Counter()  # steps by (rows, mode)
     self.error: BaseException | None = None  # set if the loop itself died
 
   # ------------------------------------------------------------------ public API (any thread)
@@ -150,10 +189,15 @@ class Engine:
     if self._thread is not None:
       raise RuntimeError("warmup() runs before start(): only the engine thread touches JAX then")
     t0 = time.perf_counter()
-    self._place.warmup()
+    costs = self._place.warmup()
+    if self.config.adaptive:
+      self.step_seconds = costs
     seconds = time.perf_counter() - t0
-    log.info("warm-up: compiled %d prompt buckets x filter on/off and 3 step modes in %.1f s",
-             len(self._place.buckets()), seconds)
+    log.info("warm-up: compiled %d prompt buckets and steps for %s rows x modes %s (then timed "
+             "each for 3 sampling kinds) in %.1f s", len(self._place.buckets()),
+             self._place.row_buckets(), self._place.modes(), seconds)
+    log.info("step seconds (rows, mode, kind): %s",
+             ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))
     return seconds
 
   def start(self) -> "Engine":
@@ -240,16 +284,23 @@ class Engine:
   # ------------------------------------------------------------------ engine thread
 
   def _loop(self) -> None:
+    pending: _InFlight | None = None
     try:
       while not self._stopping.is_set():
         try:
           self._admit_waiting()
-          if self.active_slots():
-            self._step()
-          else:
+          ahead = self._dispatch()  # step t+1 runs on the device while step t is read below
+          if pending is not None:
+            done, pending = pending, None
+            self._collect(done)
+          self._deliver_firsts()
+          pending = ahead
+          if pending is None and not self._firsts:
             self._wait_for_work()
         except Exception as e:  # a failed step must not take the server down
           log.exception("engine step failed; failing the active requests")
+          pending = None
+          self._firsts.clear()
           self._fail_active(_fault_message(e))
           self._place.reset()
     except BaseException as e:
@@ -282,21 +333,23 @@ class Engine:
     self.metrics.queue_length.set(self._queue.qsize())
 
   def _admit_one(self, handle: Handle, slot: int) -> None:
-    """Admit ``handle``; a fault in its prefill or first token fails this request only (all
-    active ones only if the fault consumed the shared batch)."""
+    """Admit ``handle``; a fault in its prefill fails this request only (all active ones only
+    if the fault consumed the shared batch)."""
     try:
       self._admit(handle, slot)
     except Exception as e:
       log.exception("request %d: admission failed", handle.id)
-      message = _fault_message(e)
-      if self._slots[slot] is not None and self._slots[slot].handle is handle:
-        self._fail_slot(slot, message)
-      else:
-        self.metrics.requests.labels(finish_reason="error").inc()
-        self._emit(handle, Failed(message))
-      if not self._place.batch_intact():
-        self._fail_active(message)
-        self._place.reset()
+      self._admission_failed(handle, slot, _fault_message(e))
+
+  def _admission_failed(self, handle: Handle, slot: int, message: str) -> None:
+    if self._slots[slot] is not None and self._slots[slot].handle is handle:
+      self._fail_slot(slot, message)
+    else:
+      self.metrics.requests.labels(finish_reason="error").inc()
+      self._emit(handle, Failed(message))
+    if not self._place.batch_intact():
+      self._fail_active(message)
+      self._place.reset()
 
   def _admit(self, handle: Handle, slot: int) -> None:
     if handle.cancelled:
@@ -306,38 +359,88 @@ class Engine:
     t0 = time.perf_counter()
     first = self._place.admit(slot, list(req.prompt_ids), handle.seed, req.temperature,
                               req.top_p, req.top_k, handle.max_tokens)
-    self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
     self.metrics.prompt_tokens.inc(len(req.prompt_ids))
     active = _Active(handle, TextStream(self._decode_text, req.stop))
     self._slots[slot] = active
     self.metrics.active_slots.set(self.active_slots())
-    self._deliver(slot, [first])
+    self._firsts.append((slot, active, first, t0))
 
-  def _step(self) -> None:
-    requests = [a.handle.request for a in self._slots if a is not None]
+  def _deliver_firsts(self) -> None:
+    """Read the first tokens of the requests admitted since the last read (their prefills were
+    dispatched before the step now in flight, so this waits for them alone)."""
+    firsts, self._firsts = self._firsts, []
+    for slot, active, first, t0 in firsts:
+      if self._slots[slot] is not active:  # failed meanwhile
+        continue
+      try:
+        token = int(jax.device_get(first))
+        self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        self._deliver(slot, [token])
+      except Exception as e:
+        log.exception("request %d: its prefill or first token failed", active.handle.id)
+        self._admission_failed(active.handle, slot, _fault_message(e))
+
+  def _dispatch(self) -> _InFlight | None:
+    """Dispatch one step for the occupied slots (cancelled requests end here first)."""
+    for slot, active in enumerate(self._slots):
+      if active is not None and active.handle.cancelled:
+        self._finish(slot, "cancelled", "")
+    live = [slot for slot, a in enumerate(self._slots) if a is not None]
+    if not live:
+      return None
+    b = policy_lib.bucket_for(len(live), self._place.row_buckets())
+    if b == self.config.slots:
+      rows = list(range(b))
+    else:
+      rows = live + [slot for slot, a in enumerate(self._slots) if a is None][:b - len(live)]
+    actives = [self._slots[slot] for slot in rows]
+    requests = [a.handle.request for a in actives if a is not None]
     filtered = any(r.temperature > 0 and (r.top_p < 1 or r.top_k > 0) for r in requests)
     greedy = all(r.temperature <= 0 for r in requests)  # the argmax fast path (own program)
+    kind = policy_lib.kind_of(filtered, greedy)
+    costs = self.step_seconds if greedy or self.config.adaptive_sampled else None
+    mode = policy_lib.choose(b, kind, costs, self.acceptance.table(), self._place.modes())
+    # CONTEXT BUCKET (not wired yet): attention still reads all ``max_context`` cache slots.
+    # When the LLM forward takes a static context-length bucket (models/, in progress), pass
+    # the smallest bucket holding max(len(prompt) + len(tokens)) + scratch over ``actives``
+    # here, as a step program key beside (rows, mode), compiled at warm-up like the others.
     t0 = time.perf_counter()
-    out = self._place.step(filtered, greedy)
-    seconds = time.perf_counter() - t0
+    out = self._place.step(rows, [a is not None for a in actives], filtered, greedy, mode)
+    self.step_counts[b, mode] += 1
+    return _InFlight(out, rows, actives, mode, t0)
+
+  def _collect(self, step: _InFlight) -> None:
+    """Wait for ``step`` and deliver its tokens to the requests still holding its rows."""
+    out = jax.device_get(step.out)
+    now = time.perf_counter()
+    seconds = now - max(step.dispatched_at, self._last_collect)
+    self._last_collect = now
     accepted = []
-    for slot, active in enumerate(self._slots):
-      if active is None:
+    for i, (slot, active) in enumerate(zip(step.rows, step.actives)):
+      if active is None or self._slots[slot] is not active:  # ended after the dispatch
         continue
       if active.handle.cancelled:
         self._finish(slot, "cancelled", "")
         continue
-      if out.active_B[slot]:
+      if out.active_B[i]:
         active.steps += 1
-        active.accepted += int(out.accepted_B[slot])
-        accepted.append(int(out.accepted_B[slot]))
+        active.accepted += int(out.accepted_B[i])
+        accepted.append(int(out.accepted_B[i]))
       try:
-        self._deliver(slot, out.tokens_BA[slot, :out.count_B[slot]].tolist(),
-                      device_done=bool(out.done_B[slot]))
+        self._deliver(slot, out.tokens_BA[i, :out.count_B[i]].tolist(),
+                      device_done=bool(out.done_B[i]))
       except Exception as e:  # this request's own host-side work: it alone fails
         log.exception("request %d: delivering its tokens failed", active.handle.id)
         self._fail_slot(slot, _fault_message(e))
-    self.metrics.observe_step(seconds, accepted)
+    # Acceptance statistics count tree steps only (an AR step drafts nothing).
+    self.metrics.observe_step(seconds, accepted if step.mode == self.mode_kind else [])
+    if step.mode == "spec":
+      self.acceptance.observe(accepted)
+
+  @property
+  def mode_kind(self) -> str:
+    """The step mode this engine serves with by default: "spec" (ReDrafter) or "ar"."""
+    return self._place.modes()[-1]
 
   def _deliver(self, slot: int, new: list[int], *, device_done: bool = False) -> None:
     """Hand a row's new tokens to its request; end it when it is done."""

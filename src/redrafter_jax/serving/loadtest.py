@@ -100,8 +100,12 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, timeout: 
   return res
 
 
+MIXED_SAMPLING = dict(temperature=0.8, top_p=0.9, top_k=40)  # the top-k/top-p kind
+
+
 async def _run(url: str, prompts: list[str], *, requests: int, concurrency: int,
-               max_tokens: int, temperature: float, timeout: float, deadline: float) -> dict:
+               max_tokens: int, temperature: float, timeout: float, deadline: float,
+               mix_every: int = 0) -> dict:
   async with httpx.AsyncClient(timeout=timeout) as client:
     model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
     results: list[Result | None] = [None] * requests
@@ -112,6 +116,8 @@ async def _run(url: str, prompts: list[str], *, requests: int, concurrency: int,
         body = dict(model=model, prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
                     temperature=temperature, seed=i, stream=True,
                     stream_options={"include_usage": True})
+        if mix_every and i % mix_every == mix_every - 1:
+          body.update(MIXED_SAMPLING)
         results[i] = await one_request(client, url, body, timeout)
 
     t0 = time.perf_counter()
@@ -135,15 +141,18 @@ def summarize(results: list[Result], requests: int, wall: float) -> dict:
       tokens_per_s=tokens / wall if wall > 0 else 0.0,
       requests_per_s=len(ok) / wall if wall > 0 else 0.0,
       latency_p50_s=float(np.percentile(lat, 50)), latency_p99_s=float(np.percentile(lat, 99)),
-      ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
+      ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p95_s=float(np.percentile(ttft, 95)),
+      ttft_p99_s=float(np.percentile(ttft, 99)),
       tokens_per_step=(sum(r.accepted for r in ok) + steps) / steps if steps else None,
       errors=sorted({r.error for r in results if not r.ok})[:5])
 
 
 def run_load(url: str, *, requests: int = 64, concurrency: int = 16, max_tokens: int = 64,
              temperature: float = 0.0, prompts: list[str] | None = None, warmup: int | None = None,
-             timeout: float = 300.0, deadline: float = 1800.0) -> dict:
-  """Warm up, then send ``requests`` streaming completions from ``concurrency`` clients."""
+             timeout: float = 300.0, deadline: float = 1800.0, mix_every: int = 0) -> dict:
+  """Warm up, then send ``requests`` streaming completions from ``concurrency`` clients (every
+  ``mix_every``-th with top-k/top-p sampling, ``MIXED_SAMPLING``, instead; the warm-up
+  requests never are, so that kind's first use is measured)."""
   url = check_loopback(url)
   prompts = prompts or DEFAULT_PROMPTS
   kwargs = dict(concurrency=concurrency, max_tokens=max_tokens, temperature=temperature,
@@ -151,7 +160,7 @@ def run_load(url: str, *, requests: int = 64, concurrency: int = 16, max_tokens:
   warm = concurrency if warmup is None else warmup
   if warm:
     asyncio.run(_run(url, prompts, requests=warm, **kwargs))
-  return asyncio.run(_run(url, prompts, requests=requests, **kwargs))
+  return asyncio.run(_run(url, prompts, requests=requests, mix_every=mix_every, **kwargs))
 
 
 def read_prompts(path: str, limit: int | None = None) -> list[str]:
@@ -166,7 +175,8 @@ ROWS = [("completed", "{completed}/{requests}"), ("failed", "{failed}"), ("lost"
         ("wall time (s)", "{wall_s:.2f}"), ("tokens generated", "{completion_tokens}"),
         ("throughput (tok/s)", "{tokens_per_s:.1f}"), ("requests/s", "{requests_per_s:.2f}"),
         ("latency p50 (s)", "{latency_p50_s:.3f}"), ("latency p99 (s)", "{latency_p99_s:.3f}"),
-        ("TTFT p50 (s)", "{ttft_p50_s:.3f}"), ("TTFT p99 (s)", "{ttft_p99_s:.3f}"),
+        ("TTFT p50 (s)", "{ttft_p50_s:.3f}"), ("TTFT p95 (s)", "{ttft_p95_s:.3f}"),
+        ("TTFT p99 (s)", "{ttft_p99_s:.3f}"),
         ("tokens/step", "{tps}")]
 
 
@@ -248,7 +258,7 @@ def _load_kwargs(args) -> dict:
   prompts = read_prompts(args.prompts, args.prompt_limit) if args.prompts else None
   return dict(requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
               temperature=args.temperature, prompts=prompts, warmup=args.warmup,
-              timeout=args.request_timeout, deadline=args.deadline)
+              timeout=args.request_timeout, deadline=args.deadline, mix_every=args.mix_every)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -262,6 +272,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--concurrency", type=int, default=16)
   p.add_argument("--max-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--mix-every", type=int, default=0, metavar="K",
+                 help="every K-th request samples with top-k/top-p (temperature 0.8, top_p 0.9, "
+                      "top_k 40) instead; 0 = none (default)")
   p.add_argument("--prompts", default=None, help="JSON-lines file with a 'prompt' per line")
   p.add_argument("--prompt-limit", type=int, default=None)
   p.add_argument("--warmup", type=int, default=None,
@@ -287,12 +300,15 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   if min(args.requests, args.concurrency, args.max_tokens) < 1:
     p.error("--requests, --concurrency and --max-tokens must be >= 1")
+  if args.mix_every < 0:
+    p.error("--mix-every must be >= 0")
   if args.compare:
     reports = compare(args)
   else:
     reports = {"server": run_load(args.url, **_load_kwargs(args))}
+  mix = f", every {args.mix_every}th top-k/top-p sampled" if args.mix_every else ""
   print(f"\n{args.requests} requests, {args.concurrency} concurrent clients, "
-        f"max_tokens {args.max_tokens}, temperature {args.temperature}")
+        f"max_tokens {args.max_tokens}, temperature {args.temperature}{mix}")
   print(format_reports(reports))
   if args.json:
     print(json.dumps(reports, indent=1))

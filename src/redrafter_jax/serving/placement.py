@@ -3,16 +3,18 @@
 The base LLM is split over the ``model`` axis of a device mesh (tensor parallel, the rules of
 ``sharding.py``); the drafter is replicated; the slot batch keeps its KV cache split over kv
 heads where the axis divides them, everything else replicated. On one device all of this is a
-no-op. Each call is jitted once per static shape (prompt bucket, filter on/off) with the batch
-donated, so the batch never leaves the devices; only ``StepOut`` and the first token come back.
+no-op. Each call is jitted once per static shape (prompt bucket; step rows and mode) with the
+batch donated, so the batch never leaves the devices; only ``StepOut`` and the first token come
+back. The sampling kind (greedy, sampled, top-k/top-p) is a run-time argument of one program, so
+the heavy forward passes compile once per shape.
 """
 
 from __future__ import annotations
 
-import re
-
 import dataclasses
 import logging
+import re
+import time
 from typing import Sequence
 
 import jax
@@ -27,6 +29,8 @@ from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import batch as batch_lib
+from redrafter_jax.serving import policy as policy_lib
+from redrafter_jax.serving import rows as rows_lib
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +79,9 @@ class Placement:
     self.batch = self._new_batch()
     self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
     self._out = (self._batch_sharding, repl)
-    self._admit_fns: dict[bool, object] = {}
-    self._step_fns: dict[bool, object] = {}
-    self._seen: set[tuple[int, bool]] = set()
+    self._admit_fn = None
+    self._step_fns: dict[tuple[int, str], object] = {}
+    self._seen: set[int] = set()
 
   def _shardings(self, abstract_batch, num_kv_heads: int):
     model = self.mesh.shape[sh.MODEL]
@@ -97,20 +101,31 @@ class Placement:
     return sorted({prompt_bucket(n, cfg.min_bucket, cfg.max_context)
                    for n in range(1, longest + 1)})
 
-  def warmup(self) -> None:
+  def warmup(self, timed_runs: int = 5) -> dict[tuple[int, str, str], float]:
     """Compile every program the server can meet by running each once: the prefill of each
-    prompt bucket with and without the top-k/top-p filter, and the step in each mode (greedy,
-    sampled, filtered). Then a fresh batch: serving never compiles."""
+    prompt bucket and the step for each row bucket and mode (AR, tree); one program serves
+    every sampling kind (greedy, sampled, filtered). Each step and kind is then timed
+    (the median of ``timed_runs``); returns those seconds by (rows, mode, kind), the cost table of
+    ``policy.choose``. Then a fresh batch: serving never compiles."""
     for T in self.buckets():
-      for filtered in (False, True):
-        self.admit(0, [0] * T, 0, 1.0 if filtered else 0.0, 0.5 if filtered else 1.0, 0, 1)
-    for filtered, greedy in ((False, True), (False, False), (True, False)):
-      self.step(filtered, greedy)
+      self.admit(0, [0] * T, 0, 0.0, 1.0, 0, 1)
+    programs = [(b, mode) for b in self.row_buckets() for mode in self.modes()]
+    for b, mode in programs:  # compile
+      jax.block_until_ready(self.step(list(range(b)), [False] * b, False, True, mode))
+    times = {(b, mode, kind): [] for b, mode in programs for kind in policy_lib.KINDS}
+    for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
+      for b, mode, kind in times:
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.step(list(range(b)), [False] * b, kind == "filtered",
+                                        kind == "greedy", mode))
+        times[b, mode, kind].append(time.perf_counter() - t0)
+    seconds = {key: float(np.median(t)) for key, t in times.items()}
     self.reset()
+    return seconds
 
   def compiled_programs(self) -> int:
     """How many programs the jitted calls hold (grows when something compiles)."""
-    fns = list(self._admit_fns.values()) + list(self._step_fns.values())
+    fns = [self._admit_fn] * (self._admit_fn is not None) + list(self._step_fns.values())
     return sum(fn._cache_size() for fn in fns)
 
   def batch_intact(self) -> bool:
@@ -122,49 +137,71 @@ class Placement:
     self.batch = self._new_batch()
 
   def admit(self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float,
-            top_k: int, max_tokens: int) -> int:
-    """Prefill ``prompt`` into ``slot``; returns the request's first token."""
+            top_k: int, max_tokens: int) -> jax.Array:
+    """Dispatch the prefill of ``prompt`` into ``slot``; returns the request's first token as a
+    device scalar, without waiting for it."""
     cfg = self.config
     filtered = temperature > 0 and (top_p < 1 or top_k > 0)
-    fn = self._admit_fns.get(filtered)
-    if fn is None:
+    if self._admit_fn is None:
       llm_def = self._llm_def
 
       def admit(llm_state, batch, *args):
-        return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args, filtered=filtered)
+        return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args)
 
-      fn = self._admit_fns[filtered] = jax.jit(admit, donate_argnums=(1,),
-                                               out_shardings=self._out)
+      self._admit_fn = jax.jit(admit, donate_argnums=(1,), out_shardings=self._out)
     T = prompt_bucket(len(prompt), cfg.min_bucket, cfg.max_context)
-    if (T, filtered) not in self._seen:
-      self._seen.add((T, filtered))
-      log.info("first prompt of bucket %d (filter %s): compiling its prefill", T, filtered)
+    if T not in self._seen:
+      self._seen.add(T)
+      log.info("first prompt of bucket %d: compiling its prefill", T)
     tokens_1T = np.zeros((1, T), np.int32)
     tokens_1T[0, :len(prompt)] = prompt
-    self.batch, first = fn(self.llm_state, self.batch, np.int32(slot), tokens_1T,
-                           np.int32(len(prompt)), np.uint32(seed & 0xFFFFFFFF),
-                           np.uint32(seed >> 32), np.float32(temperature), np.float32(top_p),
-                           np.int32(top_k), np.int32(max_tokens), self.stop_ids)
-    return int(first)
+    self.batch, first = self._admit_fn(
+        self.llm_state, self.batch, np.int32(slot), tokens_1T, np.int32(len(prompt)),
+        np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.float32(temperature),
+        np.float32(top_p), np.int32(top_k), np.int32(max_tokens), self.stop_ids,
+        np.bool_(filtered))
+    return first
 
-  def step(self, filtered: bool, greedy: bool = False) -> batch_lib.StepOut:
-    """One step for every slot; returns the host copy of what each row gained. ``greedy``: every
-    active request has temperature 0 (a program of its own that accepts by argmax)."""
-    fn = self._step_fns.get((filtered, greedy))
+  def row_buckets(self) -> list[int]:
+    """The sub-batch sizes a step runs on: powers of two below the slot count, and all slots."""
+    return policy_lib.row_buckets(self.config.slots)
+
+  def modes(self) -> tuple[str, ...]:
+    """Step kinds: plain AR always; ReDrafter's tree step when the engine has a drafter."""
+    return ("ar", "spec") if self.config.speculative else ("ar",)
+
+  def step(self, rows: Sequence[int], live: Sequence[bool], filtered: bool,
+           greedy: bool = False, mode: str | None = None) -> batch_lib.StepOut:
+    """Dispatch one step for the slots ``rows`` (a row bucket's worth, distinct); returns the
+    device ``StepOut`` of those rows, in that order, without waiting for it. ``live[i]``: slot
+    ``rows[i]`` still holds a request (the others are marked done first). ``greedy``: every live
+    request has temperature 0 (a program of its own that accepts by argmax). ``mode``: "spec"
+    (ReDrafter; the default with a drafter) or "ar"."""
+    mode = mode or self.modes()[-1]
+    b = len(rows)
+    if b not in self.row_buckets() or mode not in self.modes():
+      raise ValueError(f"no step for {b} rows in mode {mode!r}")
+    fn = self._step_fns.get((b, mode))
     if fn is None:
-      fn = self._step_fns[filtered, greedy] = self._make_step(filtered, greedy)
-    self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids)
-    return jax.device_get(out)
+      fn = self._step_fns[b, mode] = self._make_step(b, mode)
+    kind = policy_lib.KINDS.index(policy_lib.kind_of(filtered, greedy))
+    self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids,
+                         np.asarray(rows, np.int32), np.asarray(live, bool), np.int32(kind))
+    return out
 
-  def _make_step(self, filtered: bool, greedy: bool):
+  def _make_step(self, rows: int, mode: str):
     llm_def, drafter_def, dcfg = self._llm_def, self._drafter_def, self._decode
-    speculative = self.config.speculative
+    whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
+    width = dcfg.beam_length if self.config.speculative else 1
 
-    def step(llm_state, drafter_state, batch, stop_ids):
+    def step(llm_state, drafter_state, batch, stop_ids, idx_b, live_b, kind):
       llm = nnx.merge(llm_def, llm_state)
-      if speculative:
-        return batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), batch, stop_ids,
-                                   dcfg, filtered=filtered, greedy=greedy)
-      return batch_lib.ar_step(llm, batch, stop_ids, filtered=filtered)
+      sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b), live_b)
+      if mode == "spec":
+        sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
+                                       stop_ids, dcfg, kind)
+      else:
+        sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width)
+      return (sub if whole else rows_lib.put(batch, idx_b, sub)), out
 
     return jax.jit(step, donate_argnums=(2,), out_shardings=self._out)

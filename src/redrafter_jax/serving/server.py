@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import threading
 import time
 from typing import Sequence
 
+import jax
 from flax import nnx
 
 from redrafter_jax.config import ConfigError, Preset
@@ -57,6 +59,21 @@ def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool,
     return load_drafter(resolve_drafter(path))  # 'shipped' or a folder
   except FileNotFoundError as e:
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
+
+
+def use_compile_cache(path: str | None) -> str | None:
+  """Keep XLA's compiled programs in ``path`` (None: ``xla/`` in the model cache folder; "off":
+  not at all), so a restarted server loads its warm-up programs instead of compiling them again.
+  Returns the folder used."""
+  if path == "off":
+    return None
+  if path is None:
+    from redrafter_jax.weights.fetch import cache_dir
+    path = os.path.join(cache_dir(), "xla")
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  log.info("compiled programs are cached in %s", path)
+  return path
 
 
 def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
