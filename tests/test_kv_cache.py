@@ -242,3 +242,35 @@ def test_write_places_each_row_and_head_at_its_own_slots():
   np.testing.assert_array_equal(k_BKSE, expected)
   np.testing.assert_array_equal(v_BKSE, -expected)
   np.testing.assert_array_equal(np.asarray(out.k[0])[1 * B + 0, :, 1], np.asarray(new_BTKE[0, 0, 1]))
+
+
+@pytest.mark.parametrize("layout", kvc.LAYOUTS)
+def test_take_and_put_rows_move_whole_rows_in_every_layout(layout):
+  B, S, K, E, L = 5, 8, 2, 4, 2
+  cache = kvc.init(L, B, S, K, E, layout=layout)
+  rng = np.random.default_rng(0)
+  cache = cache.replace(k=tuple(jnp.asarray(rng.normal(size=k.shape), k.dtype) for k in cache.k),
+                        v=tuple(jnp.asarray(rng.normal(size=v.shape), v.dtype) for v in cache.v),
+                        lengths_B=jnp.arange(B, dtype=jnp.int32) + 1)
+  idx = jnp.array([3, 0], jnp.int32)
+  sub = kvc.take_rows(cache, idx)
+  assert sub.batch == 2 and sub.layout == layout and sub.lengths_B.tolist() == [4, 1]
+  for i in range(L):  # the rows' [B, K, S, E] views, whatever the layout
+    for got, full in zip(kvc.to_BKSE(*sub.layer(i), 2, layout),
+                         kvc.to_BKSE(*cache.layer(i), B, layout)):
+      np.testing.assert_array_equal(got, np.asarray(full)[[3, 0]])
+  # Put back changed rows: only those rows change.
+  moved = sub.replace(k=tuple(k + 1 for k in sub.k), v=tuple(v - 1 for v in sub.v),
+                      lengths_B=sub.lengths_B + 2)
+  out = kvc.put_rows(cache, idx, moved)
+  assert out.lengths_B.tolist() == [3, 2, 3, 6, 5]
+  for i in range(L):
+    new_k, new_v = (np.asarray(x) for x in kvc.to_BKSE(*out.layer(i), B, layout))
+    old_k, old_v = (np.asarray(x) for x in kvc.to_BKSE(*cache.layer(i), B, layout))
+    np.testing.assert_array_equal(new_k[[3, 0]], old_k[[3, 0]] + 1)
+    np.testing.assert_array_equal(new_v[[3, 0]], old_v[[3, 0]] - 1)
+    np.testing.assert_array_equal(new_k[[1, 2, 4]], old_k[[1, 2, 4]])
+    np.testing.assert_array_equal(new_v[[1, 2, 4]], old_v[[1, 2, 4]])
+  other = kvc.init(L, 2, S, K, E, layout="BKSE" if layout != "BKSE" else "XES")
+  with pytest.raises(kvc.CacheError, match="put_rows"):
+    kvc.put_rows(cache, idx, other)

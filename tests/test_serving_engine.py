@@ -266,6 +266,23 @@ def test_sharded_engine_equals_decode(llm, tok, random_drafter, reference):
     assert r.token_ids == expected(reference[i], MAX_TOKENS[i])
 
 
+@pytest.mark.parametrize("layout", ["BSKE", "BKSE"])
+def test_engine_serves_from_every_cache_layout(tok, random_drafter, reference, layout):
+  """The slot batch takes the model's cache layout (cuDNN's, Pallas's): same greedy tokens.
+  The ``xla`` backend reads every layout, so the layouts are checked on CPU."""
+  llm = Llama(LLM_CFG, cache_layout=layout, rngs=nnx.Rngs(0))  # the fixture's weights
+  engine = Engine(llm, tok, random_drafter, config=ECFG, stop_ids=[EOS]).start()
+  try:
+    assert engine._place.batch.state.cache.layout == layout
+    idx = [0, 2, 6, 13, 4]  # 5 requests through 4 slots: admission, row groups, slot reuse
+    results, _ = run_concurrently(
+        engine, [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in idx])
+  finally:
+    engine.stop()
+  for i, r in zip(idx, results):
+    assert r.token_ids == expected(reference[i], MAX_TOKENS[i])
+
+
 def test_text_stream_partial_characters_and_stops():
   """Bytes as tokens: a multi-byte character waits for its last byte; stop strings split
   over pushes are cut, and text that might start a stop string is held back until clear."""

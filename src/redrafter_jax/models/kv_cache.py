@@ -42,6 +42,9 @@ from redrafter_jax.errors import UserError
 
 LAYOUTS = ("XES", "BSKE", "BKSE")
 _SLOT_AXIS = {"XES": 1, "BSKE": 1, "BKSE": 2}  # the slot axis of the VALUES array
+# The axis a split over kv heads (tensor-parallel serving) cuts; XES's leading K * B axis is
+# head-major, so cutting it in equal parts cuts whole kv heads.
+HEAD_AXIS = {"XES": 0, "BSKE": 2, "BKSE": 1}
 BUCKET_MIN = 256  # the smallest context bucket (``context_bucket``)
 
 
@@ -277,3 +280,30 @@ def put_row(cache: KVCache, slot, row: KVCache) -> KVCache:
 
   return cache.replace(k=tuple(map(put, cache.k, row.k)), v=tuple(map(put, cache.v, row.v)),
                        lengths_B=cache.lengths_B.at[slot].set(row.lengths_B[0]))
+
+
+def _row_index(cache: KVCache, idx_b: jax.Array) -> jax.Array:
+  """Leading-axis indices of rows ``idx_b`` in a cache array (XES: ``k * B + b``)."""
+  if cache.layout != "XES":
+    return idx_b
+  K, B = cache.num_kv_heads, cache.batch
+  return (jnp.arange(K)[:, None] * B + idx_b[None, :]).reshape(-1)
+
+
+def take_rows(cache: KVCache, idx_b: jax.Array) -> KVCache:
+  """Rows ``idx_b`` (distinct) of ``cache`` as a cache of ``len(idx_b)`` rows, same layout."""
+  at = _row_index(cache, idx_b)
+  return cache.replace(k=tuple(k[at] for k in cache.k), v=tuple(v[at] for v in cache.v),
+                       lengths_B=cache.lengths_B[idx_b])
+
+
+def put_rows(cache: KVCache, idx_b: jax.Array, rows: KVCache) -> KVCache:
+  """``cache`` with rows ``idx_b`` replaced by ``rows`` (``take_rows``' inverse). A scatter on
+  the arrays as they are: no reshape, so a donated buffer is updated in place (XLA:CPU copies a
+  whole buffer whose in-place update feeds a reshape)."""
+  if rows.layout != cache.layout:
+    raise CacheError(f"put_rows: rows in layout {rows.layout!r}, cache in {cache.layout!r}")
+  at = _row_index(cache, idx_b)
+  return cache.replace(k=tuple(f.at[at].set(r) for f, r in zip(cache.k, rows.k)),
+                       v=tuple(f.at[at].set(r) for f, r in zip(cache.v, rows.v)),
+                       lengths_B=cache.lengths_B.at[idx_b].set(rows.lengths_B))

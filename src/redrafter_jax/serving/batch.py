@@ -52,11 +52,13 @@ class StepOut:
 
 
 def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
-          beam_length: int) -> SlotBatch:
-  """All slots free (done), caches zero."""
+          beam_length: int, *, layout: str = "XES", cache_dtype=None) -> SlotBatch:
+  """All slots free (done), caches zero, in the attention backend's ``layout`` and
+  ``cache_dtype`` (default ``dtype``): ``Llama.init_cache``'s."""
   B = slots
   state = step_lib.DecodeState(
-      cache=kvc.init(cfg.num_layers, B, cache_size, cfg.num_kv_heads, cfg.head_dim, dtype),
+      cache=kvc.init(cfg.num_layers, B, cache_size, cfg.num_kv_heads, cfg.head_dim,
+                     cache_dtype or dtype, layout),
       g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, cfg.hidden_size), dtype),
       context_BS=jnp.zeros((B, cache_size), jnp.int32), out=empty_output(B, max_tokens),
       done_B=jnp.ones((B,), bool), rng=jax.random.split(jax.random.key(0), B),
@@ -87,15 +89,8 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
   done_1 = done_1 | (limit <= 1)
 
   # Only the prompt's T slots are written: slots past a row's length are never visible.
-  # Cache arrays are [K * B, ...] head-major: viewed as [K, B, ...], the slot is axis 1.
-  K = row_cache.num_kv_heads
-  at = (0, slot, 0, 0)
-  put_rows = lambda full, row: tuple(
-      jax.lax.dynamic_update_slice(f.reshape(K, -1, *f.shape[1:]), r.reshape(K, 1, *r.shape[1:]),
-                                   at).reshape(f.shape)
-      for f, r in zip(full, row))
-  cache = s.cache.replace(k=put_rows(s.cache.k, row_cache.k), v=put_rows(s.cache.v, row_cache.v),
-                          lengths_B=s.cache.lengths_B.at[slot].set(length_1[0]))
+  cache = kvc.put_row(s.cache, slot, row_cache)
+  cache = cache.replace(lengths_B=cache.lengths_B.at[slot].set(length_1[0]))
   put = lambda full, row: full.at[slot].set(row[0])
   out = s.out.replace(tokens_BM=put(s.out.tokens_BM, out_1.tokens_BM),
                       num_B=put(s.out.num_B, out_1.num_B),

@@ -28,6 +28,7 @@ from redrafter_jax.config import ConfigError
 from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.serving import batch as batch_lib
 from redrafter_jax.serving import policy as policy_lib
 from redrafter_jax.serving import rows as rows_lib
@@ -71,10 +72,14 @@ class Placement:
       self._llm_def, llm_state = nnx.split(llm)
     self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
     llm_cfg, dtype = llm.config, llm.dtype
+    # The attention backend's cache layout and dtype (or the model's override).
+    row = jax.eval_shape(lambda: llm.init_cache(1, 1))
+    layout, cache_dtype = row.layout, row.k[0].dtype
     self._empty = lambda: batch_lib.empty(
         llm_cfg, dtype, config.slots, config.max_context, config.max_tokens,
-        config.decode.beam_length)
-    self._batch_sharding = self._shardings(jax.eval_shape(self._empty), llm.config.num_kv_heads)
+        config.decode.beam_length, layout=layout, cache_dtype=cache_dtype)
+    self._batch_sharding = self._shardings(jax.eval_shape(self._empty), llm.config.num_kv_heads,
+                                           layout)
     self._new_batch = jax.jit(self._empty, out_shardings=self._batch_sharding)
     self.batch = self._new_batch()
     self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
@@ -83,13 +88,15 @@ class Placement:
     self._step_fns: dict[tuple[int, str], object] = {}
     self._seen: set[int] = set()
 
-  def _shardings(self, abstract_batch, num_kv_heads: int):
+  def _shardings(self, abstract_batch, num_kv_heads: int, layout: str):
     model = self.mesh.shape[sh.MODEL]
-    kv = P(sh.MODEL, None, None) if num_kv_heads % model == 0 else P()  # [K * B, ...]
+    axis = kvc.HEAD_AXIS[layout]  # KV caches split over kv heads when they divide evenly
 
-    def one(path, _):
+    def one(path, leaf):
       name = sh.path_name(path)
-      spec = kv if re.search(r"cache\.(k|v)\.\d+$", name) else P()
+      spec = P()
+      if re.search(r"cache\.(k|v)\.\d+$", name) and num_kv_heads % model == 0:
+        spec = P(*[sh.MODEL if i == axis else None for i in range(leaf.ndim)])
       return NamedSharding(self.mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, abstract_batch)
