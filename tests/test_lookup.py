@@ -113,9 +113,9 @@ def test_server_slot_batch_keeps_the_context(llm, drafter):
     tokens_1T = jnp.zeros((1, 16), jnp.int32).at[0, :len(p)].set(jnp.asarray(p))
     batch, _ = batch_lib.admit(llm, batch, slot, tokens_1T, len(p), 0, 0, 0.0, 1.0, 0, M, stop,
                                filtered=False)
-  spec = jax.jit(lambda b: batch_lib.spec_step(llm, drafter, b, stop, cfg, filtered=False,
-                                               greedy=True))
-  ar = jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, filtered=False))
+  greedy = jnp.int32(0)  # the sampling kind: every active request greedy
+  spec = jax.jit(lambda b: batch_lib.spec_step(llm, drafter, b, stop, cfg, greedy))
+  ar = jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, greedy))
   for i in range(6):
     batch, _ = (ar if i % 3 == 2 else spec)(batch)
   s = batch.state
