@@ -26,7 +26,9 @@ LLM_CFG = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_la
                       num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
                       max_position_embeddings=512)
 DCFG = DecodeConfig(beam_width=3, beam_length=4, max_new_tokens=24)
-ECFG = EngineConfig(slots=4, max_context=96, max_tokens=24, max_queue=16, decode=DCFG)
+# Context buckets of 32, 64 and 96 slots: steps read only the part of the cache their rows use.
+ECFG = EngineConfig(slots=4, max_context=96, max_tokens=24, max_queue=16, decode=DCFG,
+                    min_context_bucket=32)
 RNG = np.random.default_rng(0)
 # 16 prompts of different lengths (1..40 tokens) and different max_tokens.
 PROMPTS = [RNG.integers(3, V, size=n).tolist() for n in
@@ -119,6 +121,8 @@ def test_concurrent_greedy_equals_decode(llm, tok, random_drafter, reference, se
     assert accepted / steps > 0.8, (accepted, steps)
   if kind == "ar":
     assert accepted == 0 and all(s["mode"] == "ar" for s in spec)
+  if kind == "random":  # steps read the smallest context bucket their rows fit in
+    assert engine.context_counts[64] > 0 and engine.context_counts[96] > 0, engine.context_counts
 
 
 def test_steps_follow_the_load_with_identical_greedy_output(self_engine, reference):
@@ -366,9 +370,11 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
   assert engine.warmup() > 0
   assert engine._place.buckets() == [16, 32, 64]
   compiled = engine._place.compiled_programs()
-  # a prefill per prompt bucket; per row bucket (1, 2, 4): a tree step and an AR step
+  # a prefill per prompt bucket; per row bucket (1, 2, 4) and context (32, 64): a tree step
+  # and an AR step
   assert engine._place.row_buckets() == [1, 2, 4]
-  assert compiled == 3 + 3 * 2
+  assert engine._place.context_buckets() == (32, 64)
+  assert compiled == 3 + 3 * 2 * 2
   greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
   sampled = [GenerationRequest(PROMPTS[i], max_tokens=4, temperature=0.8, top_p=p, top_k=k,
                                seed=i) for i, p, k in ((1, 1.0, 0), (4, 0.9, 0), (6, 1.0, 5))]
@@ -379,6 +385,7 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
     for r in sampled:
       assert len(engine.generate(r).token_ids) == 4
     assert engine._place.compiled_programs() == compiled
+    assert set(engine.context_counts) == {32, 64}  # 1 + 4 + scratch fits 32; 40 + 4 does not
   finally:
     engine.stop()
   assert got == [expected(reference[i], 4) for i in greedy]

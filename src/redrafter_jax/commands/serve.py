@@ -22,6 +22,9 @@ def add_arguments(p):
   p.add_argument("--max-context", type=int, default=None,
                  help="KV-cache slots per request: prompt + max_tokens + scratch "
                       "(default: min(2048, the model's context))")
+  p.add_argument("--min-context-bucket", type=int, default=512,
+                 help="steps read only a power-of-two bucket of the cache from this size up to "
+                 "--max-context (each compiled at start-up); --max-context's value turns it off")
   p.add_argument("--max-tokens", type=int, default=512,
                  help="the largest max_tokens a request may ask for")
   p.add_argument("--default-max-tokens", type=int, default=None,
@@ -62,6 +65,7 @@ def run(args) -> int:
   server.use_compile_cache(args.compile_cache)
   srv = server.build(
       preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
+      min_context_bucket=args.min_context_bucket,
       default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
       speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
       devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,

@@ -126,17 +126,18 @@ def release(batch: SlotBatch, live_B) -> SlotBatch:
 
 
 def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig,
-              kind) -> tuple[SlotBatch, StepOut]:
+              kind, *, context: int | None = None) -> tuple[SlotBatch, StepOut]:
   """One ReDrafter step (draft, verify, accept, commit) for every slot: ``inference.step.step``
   with its acceptance rule chosen at run time by ``kind`` (traced int32; 0 greedy: every active
   request has temperature 0, the argmax walk; 1 sampled; 2 top-k/top-p filtered), so one
   program serves every sampling kind and the draft and verify forward compile once. Rows'
-  random keys advance the same in every kind."""
+  random keys advance the same in every kind. ``context`` (static; None: the whole cache): the
+  cache slots attention reads, a context bucket holding every live row's tokens and tree."""
   s = batch.state
   keys_B2 = jax.vmap(jax.random.split)(s.rng)
   state = s.replace(rng=keys_B2[:, 0])
   beams, tree = step_lib.draft(llm, drafter, state, cfg)
-  logits_BNV, hidden_BND, cache = step_lib.verify_forward(llm, state, tree)
+  logits_BNV, hidden_BND, cache = step_lib.verify_forward(llm, state, tree, context)
   rule = lambda filtered, greedy: lambda: step_lib.accept(
       keys_B2[:, 1], beams, tree, logits_BNV, batch.params, cfg, filtered, greedy)
   verdict = jax.lax.switch(kind, [rule(False, True), rule(False, False), rule(True, False)])
@@ -145,18 +146,18 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
   return _finish(batch, s, new, cfg.beam_length)
 
 
-def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1
-            ) -> tuple[SlotBatch, StepOut]:
+def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
+            context: int | None = None) -> tuple[SlotBatch, StepOut]:
   """One autoregressive token for every slot (the same bookkeeping as ``spec_step``; ``kind``
-  as there: the top-k/top-p filter runs for kind 2 only); ``width`` pads ``StepOut.tokens_BA``
-  to the speculative step's width, so both modes return one shape."""
+  and ``context`` as there: the top-k/top-p filter runs for kind 2 only); ``width`` pads
+  ``StepOut.tokens_BA`` to the speculative step's width, so both modes return one shape."""
   s = batch.state
   B = s.g0_B.shape[0]
   M = s.out.tokens_BM.shape[1]
   active_B = ~s.done_B
   keys_B2 = jax.vmap(jax.random.split)(s.rng)
   c = s.cache
-  mask_B1S = kvc.visible_mask(c.lengths_B, jnp.ones((B, 1, 1), bool), c.size)
+  mask_B1S = kvc.visible_mask(c.lengths_B, jnp.ones((B, 1, 1), bool), context or c.size)
   logits_B1V, hidden_B1D, cache = llm(s.g0_B[:, None], c.lengths_B[:, None], mask_B1S, c)
   cache = kvc.advance(cache, active_B.astype(jnp.int32))
   target = lambda f: lambda: sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=f)

@@ -60,6 +60,9 @@ class EngineConfig:
   speculative: bool = True  # False: plain autoregressive steps (for comparison)
   decode: DecodeConfig = DecodeConfig()  # beam width/length, acceptance rule, token budget
   min_bucket: int = 16  # prompts are padded to a power of two >= this (few compiles)
+  # Steps read only a context bucket of the cache (powers of two from this up to max_context,
+  # each a compiled program): the smallest holding every live row's prompt + max_tokens.
+  min_context_bucket: int = 512
   # Per step, a plain AR step instead of the tree when it gives more tokens per second at that
   # many rows (needs the step times ``warmup`` measures; without them the tree always runs).
   adaptive: bool = True
@@ -72,7 +75,8 @@ class EngineConfig:
   prior_tokens_per_step: float | None = None
 
   def __post_init__(self):
-    for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket"):
+    for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket",
+                 "min_context_bucket"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ConfigError(f"serving: {name} must be an integer >= 1, got {getattr(self, name)!r}")
     if not isinstance(self.max_queue, int) or self.max_queue < 0:
@@ -175,6 +179,7 @@ class Engine:
     self.acceptance = policy_lib.Acceptance(config.prior_tokens_per_step or
                                             float(config.decode.beam_length))
     self.step_counts: collections.Counter = collections.Counter()  # steps by (rows, mode)
+    self.context_counts: collections.Counter = collections.Counter()  # steps by context read
     self.error: BaseException | None = None  # set if the loop itself died
 
   # ------------------------------------------------------------------ public API (any thread)
@@ -400,13 +405,18 @@ class Engine:
     kind = policy_lib.kind_of(filtered, greedy)
     costs = self.step_seconds if greedy or self.config.adaptive_sampled else None
     mode = policy_lib.choose(b, kind, costs, self.acceptance.table(), self._place.modes())
-    # CONTEXT BUCKET (not wired yet): attention still reads all ``max_context`` cache slots.
-    # When the LLM forward takes a static context-length bucket (models/, in progress), pass
-    # the smallest bucket holding max(len(prompt) + len(tokens)) + scratch over ``actives``
-    # here, as a step program key beside (rows, mode), compiled at warm-up like the others.
+    # Attention reads the smallest context bucket that holds every live row to its limit
+    # (prompt + max_tokens + one step's scratch): an upper bound known at admission, so the
+    # steps already in flight (dispatched ahead) never outgrow it.
+    need = max(len(a.handle.request.prompt_ids) + a.handle.max_tokens + self.config.scratch
+               for a in actives if a is not None)
+    need = min(need, self.config.max_context)
+    context = next(w for w in self._place.context_buckets() if w >= need)
     t0 = time.perf_counter()
-    out = self._place.step(rows, [a is not None for a in actives], filtered, greedy, mode)
+    out = self._place.step(rows, [a is not None for a in actives], filtered, greedy, mode,
+                           context)
     self.step_counts[b, mode] += 1
+    self.context_counts[context] += 1
     return _InFlight(out, rows, actives, mode, t0)
 
   def _collect(self, step: _InFlight) -> None:

@@ -116,10 +116,13 @@ class Placement:
     ``policy.choose``. Then a fresh batch: serving never compiles."""
     for T in self.buckets():
       self.admit(0, [0] * T, 0, 0.0, 1.0, 0, 1)
-    programs = [(b, mode) for b in self.row_buckets() for mode in self.modes()]
-    for b, mode in programs:  # compile
-      jax.block_until_ready(self.step(list(range(b)), [False] * b, False, True, mode))
-    times = {(b, mode, kind): [] for b, mode in programs for kind in policy_lib.KINDS}
+    programs = [(b, mode, c) for b in self.row_buckets() for mode in self.modes()
+                for c in self.context_buckets()]
+    for b, mode, c in programs:  # compile
+      jax.block_until_ready(self.step(list(range(b)), [False] * b, False, True, mode, c))
+    # Timed at the largest context (the policy's costs are an upper bound for any context).
+    times = {(b, mode, kind): [] for b in self.row_buckets() for mode in self.modes()
+             for kind in policy_lib.KINDS}
     for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
       for b, mode, kind in times:
         t0 = time.perf_counter()
@@ -177,26 +180,38 @@ class Placement:
     """Step kinds: plain AR always; ReDrafter's tree step when the engine has a drafter."""
     return ("ar", "spec") if self.config.speculative else ("ar",)
 
+  def context_buckets(self) -> tuple[int, ...]:
+    """The cache widths a step may read (``kv_cache.context_buckets``, from
+    ``config.min_context_bucket`` up to ``max_context``): each is a program per row bucket and
+    mode, compiled at warm-up."""
+    cfg = self.config
+    return kvc.context_buckets(cfg.max_context, min(cfg.min_context_bucket, cfg.max_context))
+
   def step(self, rows: Sequence[int], live: Sequence[bool], filtered: bool,
-           greedy: bool = False, mode: str | None = None) -> batch_lib.StepOut:
+           greedy: bool = False, mode: str | None = None,
+           context: int | None = None) -> batch_lib.StepOut:
     """Dispatch one step for the slots ``rows`` (a row bucket's worth, distinct); returns the
     device ``StepOut`` of those rows, in that order, without waiting for it. ``live[i]``: slot
     ``rows[i]`` still holds a request (the others are marked done first). ``greedy``: every live
     request has temperature 0 (a program of its own that accepts by argmax). ``mode``: "spec"
-    (ReDrafter; the default with a drafter) or "ar"."""
+    (ReDrafter; the default with a drafter) or "ar". ``context``: a ``context_buckets()`` width
+    holding every live row's tokens, up to its limit, and one step's scratch (None: the whole
+    cache)."""
     mode = mode or self.modes()[-1]
+    context = context or self.config.max_context
     b = len(rows)
-    if b not in self.row_buckets() or mode not in self.modes():
-      raise ValueError(f"no step for {b} rows in mode {mode!r}")
-    fn = self._step_fns.get((b, mode))
+    if b not in self.row_buckets() or mode not in self.modes() or (
+        context not in self.context_buckets()):
+      raise ValueError(f"no step for {b} rows in mode {mode!r} at context {context}")
+    fn = self._step_fns.get((b, mode, context))
     if fn is None:
-      fn = self._step_fns[b, mode] = self._make_step(b, mode)
+      fn = self._step_fns[b, mode, context] = self._make_step(b, mode, context)
     kind = policy_lib.KINDS.index(policy_lib.kind_of(filtered, greedy))
     self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids,
                          np.asarray(rows, np.int32), np.asarray(live, bool), np.int32(kind))
     return out
 
-  def _make_step(self, rows: int, mode: str):
+  def _make_step(self, rows: int, mode: str, context: int):
     llm_def, drafter_def, dcfg = self._llm_def, self._drafter_def, self._decode
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
     width = dcfg.beam_length if self.config.speculative else 1
@@ -206,9 +221,9 @@ class Placement:
       sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b), live_b)
       if mode == "spec":
         sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
-                                       stop_ids, dcfg, kind)
+                                       stop_ids, dcfg, kind, context=context)
       else:
-        sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width)
+        sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context)
       return (sub if whole else rows_lib.put(batch, idx_b, sub)), out
 
     return jax.jit(step, donate_argnums=(2,), out_shardings=self._out)

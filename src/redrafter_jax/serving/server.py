@@ -77,7 +77,7 @@ def use_compile_cache(path: str | None) -> str | None:
 
 
 def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
-          max_tokens: int = 512, default_max_tokens: int | None = None, max_queue: int = 64,
+          min_context_bucket: int = 512, max_tokens: int = 512, default_max_tokens: int | None = None, max_queue: int = 64,
           speculative: bool = True, drafter_path: str | None = None,
           random_drafter: bool = False, devices: int | None = None,
           model_name: str | None = None, warmup: bool = False,
@@ -97,7 +97,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   engine_config = EngineConfig(
       slots=slots, max_context=max_context or min(2048, llm_cfg.max_position_embeddings),
       max_tokens=max_tokens, default_max_tokens=default_max_tokens or preset.decode.max_new_tokens,
-      max_queue=max_queue, speculative=speculative, decode=preset.decode)
+      max_queue=max_queue, speculative=speculative, decode=preset.decode,
+      min_context_bucket=min_context_bucket)
   drafter = None
   if engine_config.speculative:
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
