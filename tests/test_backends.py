@@ -105,14 +105,7 @@ def test_put_row_rejects_another_layout():
 
 def _random_tree_mask(rng, T):
   """``[T, T]``: a random tree over T nodes in topological order (node 0 the root)."""
-  parent = [-1] + [int(rng.integers(0, t)) for t in range(1, T)]
-  mask = np.zeros((T, T), bool)
-  for t in range(T):
-    j = t
-    while j >= 0:
-      mask[t, j] = True
-      j = parent[j]
-  return mask
+  return tiny_models.ancestor_mask([-1] + [int(rng.integers(0, t)) for t in range(1, T)])
 
 
 def _random_case(seed, B, T, S, H, K, E):

@@ -112,14 +112,8 @@ def pack_tree(branches):
         parent.append(path[-1] if path else -1)
       path.append(node_of[key])
     paths.append(path)
-  n = len(toks)
-  mask = np.zeros((n, n), bool)
-  for i in range(n):
-    j = i
-    while j >= 0:
-      mask[i, j] = True
-      j = parent[j]
-  return np.array(toks, np.int32), np.array(depth, np.int32), mask, paths
+  return (np.array(toks, np.int32), np.array(depth, np.int32), tiny_models.ancestor_mask(parent),
+          paths)
 
 
 def test_tree_forward_equals_each_branch_alone(model):

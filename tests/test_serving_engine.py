@@ -85,6 +85,14 @@ def run_concurrently(engine, requests, timeout=300.0):
   return [done[i] for i in range(len(requests))], deltas
 
 
+def assert_serves_decode(engine, reference, idx):
+  """Prompts ``idx`` served at once by ``engine`` get ``decode()``'s greedy tokens."""
+  results, _ = run_concurrently(
+      engine, [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in idx])
+  for i, r in zip(idx, results):
+    assert r.token_ids == expected(reference[i], MAX_TOKENS[i]), i
+
+
 @pytest.mark.parametrize("kind", ["random", "self", "ar", "lookup"])
 def test_concurrent_greedy_equals_decode(llm, tok, random_drafter, reference, self_engine, kind):
   """16 requests of different lengths through 4 slots: queueing, slot reuse, no cross-talk
@@ -261,13 +269,9 @@ def test_sharded_engine_equals_decode(llm, tok, random_drafter, reference):
   try:
     weight = engine._place.llm_state["layers"][0]["mlp"]["up_proj"]["weight"]
     assert len(weight[...].sharding.device_set) == 8
-    idx = [0, 2, 6, 13]
-    results, _ = run_concurrently(
-        engine, [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in idx])
+    assert_serves_decode(engine, reference, [0, 2, 6, 13])
   finally:
     engine.stop()
-  for i, r in zip(idx, results):
-    assert r.token_ids == expected(reference[i], MAX_TOKENS[i])
 
 
 @pytest.mark.parametrize("layout", ["BSKE", "BKSE"])
@@ -278,13 +282,10 @@ def test_engine_serves_from_every_cache_layout(tok, random_drafter, reference, l
   engine = Engine(llm, tok, random_drafter, config=ECFG, stop_ids=[EOS]).start()
   try:
     assert engine._place.batch.state.cache.layout == layout
-    idx = [0, 2, 6, 13, 4]  # 5 requests through 4 slots: admission, row groups, slot reuse
-    results, _ = run_concurrently(
-        engine, [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in idx])
+    # 5 requests through 4 slots: admission, row groups, slot reuse
+    assert_serves_decode(engine, reference, [0, 2, 6, 13, 4])
   finally:
     engine.stop()
-  for i, r in zip(idx, results):
-    assert r.token_ids == expected(reference[i], MAX_TOKENS[i])
 
 
 def test_text_stream_partial_characters_and_stops():

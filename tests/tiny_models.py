@@ -145,3 +145,16 @@ def save_tokenizer(folder: pathlib.Path) -> pathlib.Path:
   tok.chat_template = CHAT_TEMPLATE
   tok.save_pretrained(str(folder))
   return folder
+
+
+def ancestor_mask(parent) -> np.ndarray:
+  """``[n, n]`` bool: node i sees itself and its ancestors (``parent[i]``, -1 at a root); nodes
+  come in topological order. A reference written from the definition, for tree tests."""
+  n = len(parent)
+  mask = np.zeros((n, n), bool)
+  for i in range(n):
+    j = i
+    while j >= 0:
+      mask[i, j] = True
+      j = parent[j]
+  return mask

@@ -68,7 +68,7 @@ def shard_hidden(llm, records, seq_len: int, *, batch_tokens: int = 8192,
   one program per length bucket."""
   graphdef, state = nnx.split(llm)
   windows = [r["tokens"][data_lib.window(r["mask"], seq_len)] for r in records]
-  lengths = data_lib.window_lengths(records, seq_len)
+  lengths = np.array([w.size for w in windows])
   D = llm.config.hidden_size
   out = [np.zeros((n, D), np.float32) for n in lengths]
   padded = -(-np.maximum(lengths, 1) // bucket) * bucket

@@ -93,7 +93,7 @@ def _batch_loss(llm_graphdef, drafter_of, vocab_ids_R, num_steps, chunk, soft_ta
   tokens_BT, segments_BT = batch["tokens"], batch["segment_ids"]
   embedding_VD = llm.embed_tokens.embedding[...]
   if "hidden" in batch:
-    hidden_BTD = jax.lax.stop_gradient(batch["hidden"].astype(embedding_VD.dtype))
+    hidden_BTD = batch["hidden"].astype(embedding_VD.dtype)  # distill_loss stops its gradient
   else:
     hidden_BTD = losses.frozen_hidden(llm, tokens_BT, batch["positions"], segments_BT)
   teacher_out_VD = llm.output_matrix() if soft_targets else None
