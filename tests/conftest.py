@@ -47,3 +47,12 @@ def _release_compiled_programs():
 
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_compile_cache():
+  """A test that turns on XLA's persistent compilation cache (``serve`` run in-process) must not
+  leave it on for the tests after it: those would load programs compiled by earlier runs."""
+  before = jax.config.jax_compilation_cache_dir
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)

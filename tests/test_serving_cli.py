@@ -25,6 +25,24 @@ def test_serve_without_a_drafter_is_a_clear_error(capsys):
   assert "drafter not found: /nonexistent/drafter" in capsys.readouterr().err
 
 
+def test_compile_cache_is_off_for_a_cpu_server_over_several_devices(tmp_path):
+  """XLA:CPU hangs in the collectives of sharded programs loaded from the persistent cache, so
+  a server over several CPU devices compiles instead; over one device it caches."""
+  import jax
+
+  from redrafter_jax.serving import server
+
+  assert jax.default_backend() == "cpu" and jax.local_device_count() == 8  # conftest's fakes
+  before = jax.config.jax_compilation_cache_dir
+  assert server.use_compile_cache(str(tmp_path / "all")) is None
+  assert server.use_compile_cache(str(tmp_path / "two"), devices=2) is None
+  assert jax.config.jax_compilation_cache_dir == before and not (tmp_path / "all").exists()
+  assert server.use_compile_cache("off", devices=1) is None
+  assert server.use_compile_cache(str(tmp_path / "one"), devices=1) == str(tmp_path / "one")
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / "one")
+  assert (tmp_path / "one").is_dir()
+
+
 def test_loadtest_compare_default_preset_has_a_drafter():
   """`loadtest --compare` as the README writes it (no --config) serves a preset with a
   drafter, so it runs instead of exiting 2."""

@@ -51,7 +51,8 @@ def add_arguments(p):
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="keep compiled programs in DIR, so a restart loads them instead of "
                       "compiling again (default: xla/ in the model cache folder, "
-                      "$REDRAFTER_JAX_CACHE or ~/.cache/redrafter_jax; 'off' to disable)")
+                      "$REDRAFTER_JAX_CACHE or ~/.cache/redrafter_jax; 'off' to disable; "
+                      "never on a CPU server over several devices, where cached programs hang)")
   p.add_argument("--no-warmup", action="store_true",
                  help="skip compiling every prompt bucket and step mode before accepting "
                       "requests (the first request of each kind then waits for a compile)")
@@ -62,7 +63,7 @@ def run(args) -> int:
   from redrafter_jax.serving import server
 
   preset = load_preset(args.config, parse_overrides(args.overrides))
-  server.use_compile_cache(args.compile_cache)
+  server.use_compile_cache(args.compile_cache, args.devices)
   srv = server.build(
       preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
       min_context_bucket=args.min_context_bucket,

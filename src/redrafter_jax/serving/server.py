@@ -61,11 +61,21 @@ def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool,
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
 
-def use_compile_cache(path: str | None) -> str | None:
+def use_compile_cache(path: str | None, devices: int | None = None) -> str | None:
   """Keep XLA's compiled programs in ``path`` (None: ``xla/`` in the model cache folder; "off":
   not at all), so a restarted server loads its warm-up programs instead of compiling them again.
-  Returns the folder used."""
+  ``devices``: how many devices the server spans (None: all local ones). Returns the folder
+  used, or None when not caching.
+
+  Not on XLA:CPU across several devices: there a sharded program loaded from the cache hangs in
+  its first cross-device collective until XLA aborts the process (its devices wait in different
+  collectives), so such a server compiles at every start instead."""
   if path == "off":
+    return None
+  n = len(jax.local_devices()) if devices is None else devices
+  if jax.default_backend() == "cpu" and n > 1:
+    log.warning("not caching compiled programs: on XLA:CPU, programs over %d devices hang "
+                "when loaded from the cache; they compile at every start", n)
     return None
   if path is None:
     from redrafter_jax.weights.fetch import cache_dir
