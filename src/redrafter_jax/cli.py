@@ -26,6 +26,7 @@ COMMANDS = {
     "distill-data": "redrafter_jax.commands.distill_data",
     "features": "redrafter_jax.commands.features",
     "train": "redrafter_jax.commands.train",
+    "ablate": "redrafter_jax.commands.ablate",
     "serve": "redrafter_jax.commands.serve",
 }
 

@@ -401,15 +401,21 @@ class Preset:
                          **dict(self.drafter or {}))
 
 
+def read_yaml(path: pathlib.Path, what: str) -> Any:
+  """The YAML document at ``path`` (None as {}); a ``ConfigError`` naming ``what`` if the file
+  is missing or not YAML."""
+  if not path.is_file():
+    raise ConfigError(f"{what} not found: {path}")
+  try:
+    return yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path}: invalid YAML: {e}") from e
+
+
 def load_preset(path: str | pathlib.Path, overrides: Mapping[str, Any] | None = None) -> Preset:
   """Load a YAML preset; ``overrides`` maps dotted keys (``train.num_steps``) to values."""
   path = pathlib.Path(path)
-  if not path.is_file():
-    raise ConfigError(f"config file not found: {path}")
-  try:
-    data = yaml.safe_load(path.read_text()) or {}
-  except yaml.YAMLError as e:
-    raise ConfigError(f"{path}: invalid YAML: {e}") from e
+  data = read_yaml(path, "config file")
   for dotted, value in (overrides or {}).items():
     node = data
     *parents, leaf = dotted.split(".")
