@@ -16,6 +16,13 @@ Three measurements in one run, so their ratios hold whatever else the machine is
    ``train.features``): a row for writing them (one LLM forward per token) and one for the
    steps, which then run only the drafter and the loss.
 
+A fourth kind of row explains generation's distance from the roofline: **decode steps**, one
+jitted one-token step of the LLM at batch ``B`` over a KV cache of ``S`` slots half full (the
+step teacher generation repeats, cache donated as in its loop), tokens/s = B / step time, for
+each ``--decode-steps BxS``. A step reads every weight once for its B rows but every row's cache
+slots too, so its cost grows with S where the roofline's does not.
+``--roofline-only`` stops after the roofline and decode-step rows.
+
 Prints one markdown table; each row also gives its share of the roofline.
 """
 
@@ -48,16 +55,24 @@ def parse_args(argv):
                  help="preset whose drafter and training settings the training row uses")
   p.add_argument("--train-steps", type=int, default=4, help="timed training steps (0: no row)")
   p.add_argument("--reps", type=int, default=3, help="timed repetitions per forward shape")
+  p.add_argument("--decode-steps", default="64x128,64x512",
+                 help="BxS shapes of one-token decode steps (batch x cache slots); '' for none")
+  p.add_argument("--roofline-only", action="store_true",
+                 help="only the roofline and decode-step rows (no generation or training)")
   args = p.parse_args(argv)
   try:
     args.forward_shapes = [tuple(int(x) for x in s.split("x")) for s in
                            args.forward_shapes.split(",")]
+    args.decode_steps = [tuple(int(x) for x in s.split("x")) for s in
+                         args.decode_steps.split(",") if s]
     args.gen_batch = [int(b) for b in args.gen_batch.split(",")]
     args.sampled_fraction = [float(f) for f in args.sampled_fraction.split(",")]
   except ValueError as e:
     p.error(f"bad list argument ({e})")
   if any(len(s) != 2 or min(s) < 1 for s in args.forward_shapes):
     p.error("--forward-shapes: each shape is BxT with B, T >= 1")
+  if any(len(s) != 2 or s[0] < 1 or s[1] < 2 for s in args.decode_steps):
+    p.error("--decode-steps: each shape is BxS with B >= 1 and S >= 2")
   if min(args.gen_batch) < 1 or args.gen_prompts < 1 or args.max_new_tokens < 1 or args.reps < 1:
     p.error("--gen-batch, --gen-prompts, --max-new-tokens and --reps must be >= 1")
   if args.train_steps < 0:
@@ -90,6 +105,38 @@ def forward_tokens_per_s(llm, batch: int, length: int, reps: int) -> float:
     jax.block_until_ready(forward(state, tokens_BT))
     best = min(best, time.perf_counter() - t)
   return batch * length / best
+
+
+def decode_step_tokens_per_s(llm, batch: int, slots: int, reps: int) -> float:
+  """Best-of-``reps`` tokens/s (``batch`` / step time) of one jitted one-token step over a KV
+  cache of ``slots`` slots, each row's half full; the cache is donated, as in generation's
+  loop, so the step writes it in place."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from redrafter_jax.models import kv_cache as kvc
+
+  graphdef, state = nnx.split(llm)
+
+  @functools.partial(jax.jit, donate_argnums=(2,))
+  def step(state, last_B, cache):
+    model = nnx.merge(graphdef, state)
+    mask_BTS = kvc.visible_mask(cache.lengths_B, jnp.ones((batch, 1, 1), bool), slots)
+    logits_BTV, _, cache = model(last_B[:, None], cache.lengths_B[:, None], mask_BTS, cache)
+    return jnp.argmax(logits_BTV[:, 0], axis=-1).astype(jnp.int32), cache
+
+  cache = kvc.advance(llm.init_cache(batch, slots), jnp.full((batch,), slots // 2, jnp.int32))
+  last_B = jnp.full((batch,), 1000 % llm.config.vocab_size, jnp.int32)
+  last_B, cache = jax.block_until_ready(step(state, last_B, cache))
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    last_B, cache = jax.block_until_ready(step(state, last_B, cache))
+    best = min(best, time.perf_counter() - t)
+  return batch / best
 
 
 def main(argv=None) -> int:
@@ -126,10 +173,15 @@ def _run(args) -> int:
       print(f"forward {dtype} {B}x{T}: {tok_s:.0f} tok/s", flush=True)
     del llm
   llm, _ = base_model.load_base_model(args.model, param_dtype=args.gen_param_dtype)
+  for B, S in args.decode_steps:
+    tok_s = decode_step_tokens_per_s(llm, B, S, args.reps)
+    rows.append(("decode step", f"{args.gen_param_dtype} weights, batch {B}, cache {S} slots "
+                 f"(half full)", tok_s))
+    print(f"decode step {args.gen_param_dtype} {B}x{S}: {tok_s:.0f} tok/s", flush=True)
   tokenizer = base_model.load_base_tokenizer(args.model)
   with tempfile.TemporaryDirectory(prefix="redrafter_throughput_") as tmp:
     data_dir = None
-    for batch in args.gen_batch:
+    for batch in [] if args.roofline_only else args.gen_batch:
       for fraction in args.sampled_fraction:
         run = lambda out: distill.distill(
             llm, tokenizer, args.prompts, out, model_name=args.model, limit=args.gen_prompts,
@@ -144,7 +196,7 @@ def _run(args) -> int:
               f"({stats.new_tokens} tokens, {stats.seconds:.0f} s)", flush=True)
         data_dir = data_dir or out
     del llm
-    if args.train_steps:
+    if args.train_steps and not args.roofline_only:
       preset = load_preset(args.config, {
           "train.data": str(data_dir), "train.output_dir": str(pathlib.Path(tmp) / "train"),
           "train.num_steps": args.train_steps + 1, "train.eval_shards": 0,
