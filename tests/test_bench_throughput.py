@@ -14,15 +14,16 @@ def test_every_row_is_measured(tmp_path, capsys):
                              enumerate(["Hello there", "Write a poem", "Add 2 and 3", "A cat"])))
   assert throughput.main(["--model", "random:tiny", "--prompts", str(prompts),
                           "--forward-shapes", "2x32", "--gen-prompts", "4", "--gen-batch", "2",
-                          "--sampled-fraction", "0.5", "--max-new-tokens", "16",
+                          "--sampled-fraction", "0.5", "--max-new-tokens", "8,16",
                           "--config", str(TINY), "--train-steps", "1", "--reps", "1",
                           "--decode-steps", "2x16,2x64"]) == 0
   table = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ")][2:]
   jobs = [l.split(" | ")[0][2:] for l in table]
   assert jobs == (["forward (roofline)"] * 2 + ["decode step"] * 2 +
-                  ["teacher generation", "training", "features (once per data)",
+                  ["teacher generation"] * 2 + ["training", "features (once per data)",
                    "training from features"])
   assert all(float(l.split(" | ")[2]) > 0 for l in table)
+  assert "8 new" in table[4] and "16 new" in table[5]
 
 
 def test_roofline_only_and_bad_shapes(tmp_path, capsys):

@@ -48,7 +48,9 @@ def parse_args(argv):
   p.add_argument("--gen-batch", default="64,128", help="batch sizes of the generation rows")
   p.add_argument("--sampled-fraction", default="0.25",
                  help="comma-separated sampled fractions of the generation rows")
-  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--max-new-tokens", default="128",
+                 help="answer length cap(s) of the generation rows, e.g. 128,256 (a longer cap "
+                      "spreads each prompt's prefill over more answer tokens)")
   p.add_argument("--gen-param-dtype", default="float32", choices=("float32", "bfloat16"),
                  help="the LLM's weights when generating")
   p.add_argument("--config", type=pathlib.Path, default=REPO_ROOT / "configs" / "smollm2_135m.yaml",
@@ -67,13 +69,15 @@ def parse_args(argv):
                          args.decode_steps.split(",") if s]
     args.gen_batch = [int(b) for b in args.gen_batch.split(",")]
     args.sampled_fraction = [float(f) for f in args.sampled_fraction.split(",")]
+    args.max_new_tokens = [int(n) for n in args.max_new_tokens.split(",")]
   except ValueError as e:
     p.error(f"bad list argument ({e})")
   if any(len(s) != 2 or min(s) < 1 for s in args.forward_shapes):
     p.error("--forward-shapes: each shape is BxT with B, T >= 1")
   if any(len(s) != 2 or s[0] < 1 or s[1] < 2 for s in args.decode_steps):
     p.error("--decode-steps: each shape is BxS with B >= 1 and S >= 2")
-  if min(args.gen_batch) < 1 or args.gen_prompts < 1 or args.max_new_tokens < 1 or args.reps < 1:
+  if min(args.gen_batch) < 1 or args.gen_prompts < 1 or min(args.max_new_tokens) < 1 or (
+      args.reps < 1):
     p.error("--gen-batch, --gen-prompts, --max-new-tokens and --reps must be >= 1")
   if args.train_steps < 0:
     p.error("--train-steps must be >= 0")
@@ -183,18 +187,21 @@ def _run(args) -> int:
     data_dir = None
     for batch in [] if args.roofline_only else args.gen_batch:
       for fraction in args.sampled_fraction:
-        run = lambda out: distill.distill(
-            llm, tokenizer, args.prompts, out, model_name=args.model, limit=args.gen_prompts,
-            max_new_tokens=args.max_new_tokens, batch_size=batch, sampled_fraction=fraction,
-            shard_size=max(batch, args.gen_prompts // 2), progress=False)
-        run(pathlib.Path(tmp) / f"warmup-b{batch}-s{fraction}")  # compiles every shape it meets
-        out = pathlib.Path(tmp) / f"gen-b{batch}-s{fraction}"
-        stats = run(out)
-        rows.append(("teacher generation", f"{args.gen_param_dtype} weights, batch {batch}, "
-                     f"sampled {fraction:g}, {args.max_new_tokens} new", stats.tokens_per_s))
-        print(f"generation batch {batch} sampled {fraction}: {stats.tokens_per_s:.0f} tok/s "
-              f"({stats.new_tokens} tokens, {stats.seconds:.0f} s)", flush=True)
-        data_dir = data_dir or out
+        for new in args.max_new_tokens:
+          run = lambda out: distill.distill(
+              llm, tokenizer, args.prompts, out, model_name=args.model, limit=args.gen_prompts,
+              max_new_tokens=new, batch_size=batch, sampled_fraction=fraction,
+              shard_size=max(batch, args.gen_prompts // 2), progress=False)
+          name = f"b{batch}-s{fraction}-n{new}"
+          run(pathlib.Path(tmp) / f"warmup-{name}")  # compiles every shape it meets
+          out = pathlib.Path(tmp) / f"gen-{name}"
+          stats = run(out)
+          rows.append(("teacher generation", f"{args.gen_param_dtype} weights, batch {batch}, "
+                       f"sampled {fraction:g}, {new} new", stats.tokens_per_s))
+          print(f"generation batch {batch} sampled {fraction} new {new}: "
+                f"{stats.tokens_per_s:.0f} tok/s ({stats.new_tokens} tokens, "
+                f"{stats.seconds:.0f} s)", flush=True)
+          data_dir = data_dir or out
     del llm
     if args.train_steps and not args.roofline_only:
       preset = load_preset(args.config, {
