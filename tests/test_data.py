@@ -108,6 +108,17 @@ def test_several_folders_read_as_one_data_set(tmp_path):
   assert len(train) == 4 and not set(train) & set(held)
 
 
+def test_first_shards_pin_a_growing_folder(tmp_path):
+  folder = _folder(tmp_path, _records(16), shards=4)
+  shard = lambda k: folder / f"shard-{k:05d}.npz"
+  assert data.shard_paths(folder, first=3) == [shard(0), shard(1), shard(2)]
+  assert data.shard_paths(folder, first=3, holdout=1) == [shard(0), shard(1)]
+  assert data.shard_paths(folder, first=3, holdout=1, part="eval") == [shard(2)]
+  assert data.shard_paths(folder, first=0) == [shard(k) for k in range(4)]
+  with pytest.raises(DataError, match="asked for its first 5 shards, but only 4 are complete"):
+    data.shard_paths(folder, first=5)
+
+
 def test_folders_made_by_different_models_are_refused(tmp_path):
   fa = _folder(tmp_path, _records(3), shards=1, name="a", settings={"vocab_size": 100})
   fb = _folder(tmp_path, _records(3), shards=1, name="b", settings={"vocab_size": 200})

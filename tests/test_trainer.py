@@ -192,6 +192,25 @@ def test_several_data_folders_train_as_one(synthetic, tmp_path):
       data.token_counts(synthetic, VOCAB, holdout=1) + data.token_counts(other, VOCAB, holdout=1))
 
 
+def test_data_shards_keeps_a_run_the_same_when_its_folder_grows(synthetic, tmp_path):
+  grown = tmp_path / "grown"
+  grown.mkdir()
+  for f in synthetic.iterdir():
+    (grown / f.name).write_bytes(f.read_bytes())
+  extra = write_synthetic(tmp_path / "extra", num=40, seed=3)
+  (grown / "shard-00002.npz").write_bytes((extra / "shard-00000.npz").read_bytes())
+  manifest = json.loads((grown / data.MANIFEST).read_text())
+  manifest["shards"]["shard-00002.npz"] = {}
+  (grown / data.MANIFEST).write_text(json.dumps(manifest))
+  kw = dict(num_steps=4, eval_shards=1, eval_every=2, eval_batches=1)
+  before = trainer.train(preset(synthetic, tmp_path / "a", **kw), progress=False, export=False)
+  pinned = trainer.train(preset(grown, tmp_path / "b", data_shards=2, **kw), progress=False,
+                         export=False)
+  assert losses_of(pinned) == losses_of(before) and pinned.eval_history == before.eval_history
+  moved = trainer.train(preset(grown, tmp_path / "c", **kw), progress=False, export=False)
+  assert moved.eval_history != before.eval_history  # all 3 shards: another held-out shard
+
+
 def test_checkpoints_from_before_a_new_setting_resume_under_its_default(synthetic, tmp_path):
   current = trainer.preset_dict(preset(synthetic, tmp_path))
   saved = {**current, "train": {k: v for k, v in current["train"].items()

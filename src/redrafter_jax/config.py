@@ -301,6 +301,9 @@ class TrainConfig:
   # The LLM's hidden states over ``data``, precomputed by ``redrafter-jax features`` (one folder
   # per data folder): steps then run no LLM forward. None computes them in every step.
   features: str | tuple[str, ...] | None = None
+  # Read only the first N completed shards of each data folder (0: all), so that a run on a
+  # folder that keeps growing stays the same run; eval_shards holds out the last of those N.
+  data_shards: int = 0
   output_dir: str = "runs/train"
   seq_len: int = 512
   batch_size: int = 8  # global batch, sequences
@@ -345,7 +348,7 @@ class TrainConfig:
                  "log_every", "loss_chunk"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ConfigError(f"train.{name} must be an integer >= 1, got {getattr(self, name)!r}")
-    for name in ("vocab_limit", "eval_shards", "eval_every"):
+    for name in ("vocab_limit", "eval_shards", "eval_every", "data_shards"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
         raise ConfigError(f"train.{name} must be an integer >= 0, got {getattr(self, name)!r}")
     if not isinstance(self.eval_batches, int) or self.eval_batches < 1:

@@ -192,23 +192,31 @@ def data_vocab_size(data) -> int | None:
 
 
 def shard_paths(data: str | pathlib.Path | Sequence[str | pathlib.Path], *, holdout: int = 0,
-                part: str = "train") -> list[pathlib.Path]:
+                part: str = "train", first: int = 0) -> list[pathlib.Path]:
   """The completed shards listed in the manifest(s), in order; every one must exist.
 
   ``data`` is one folder or several (their shards are concatenated in the order given).
-  ``holdout`` K > 0 sets the last K shards of EACH folder aside for evaluation: ``part="train"``
-  returns the others, ``part="eval"`` those (distill-data shuffles prompts across shards, so
-  they are a uniform sample of each folder's prompts)."""
+  ``first`` N > 0 takes only the first N shards of EACH folder (a folder that keeps growing then
+  still means the same data: a run, a stage or an ablation stays reproducible). ``holdout``
+  K > 0 sets the last K of those aside for evaluation: ``part="train"`` returns the others,
+  ``part="eval"`` those (distill-data shuffles prompts across shards, so they are a uniform
+  sample of each folder's prompts)."""
   if part not in ("train", "eval"):
     raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
-  return [p for folder in folders(data) for p in _folder_shards(folder, holdout, part)]
+  return [p for folder in folders(data) for p in _folder_shards(folder, holdout, part, first)]
 
 
-def _folder_shards(folder: pathlib.Path, holdout: int, part: str) -> list[pathlib.Path]:
+def _folder_shards(folder: pathlib.Path, holdout: int, part: str,
+                   first: int = 0) -> list[pathlib.Path]:
   manifest = read_manifest(folder)
   names = sorted(manifest.get("shards", {}))
   if not names:
     raise DataError(f"{folder}: the manifest lists no completed shards")
+  if first:
+    if first > len(names):
+      raise DataError(f"{folder}: asked for its first {first} shards, but only {len(names)} "
+                      "are complete")
+    names = names[:first]
   if holdout:
     if not 0 < holdout < len(names):
       raise DataError(f"{folder}: cannot hold out {holdout} of its {len(names)} completed "
@@ -299,20 +307,20 @@ def _rows(batch: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, n
 def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
                  pack: bool = True, rows: tuple[int, int] | None = None,
                  vocab_size: int | None = None, packing_bins: int | None = None,
-                 holdout: int = 0, part: str = "train", features=None,
+                 holdout: int = 0, part: str = "train", first: int = 0, features=None,
                  hidden_size: int | None = None) -> grain.IterDataset:
   """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
 
   ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
-  ``folder`` is one data folder or several; ``holdout`` / ``part`` pick the shards
-  (``shard_paths``). ``features``: a features folder per data folder (``features.py``; made
+  ``folder`` is one data folder or several; ``holdout`` / ``part`` / ``first`` pick the
+  shards (``shard_paths``). ``features``: a features folder per data folder (``features.py``; made
   for this ``seq_len`` and ``hidden_size``): batches then hold ``hidden`` too. The batches are
   otherwise the same, in the same order.
   """
   start, stop = rows if rows is not None else (0, global_batch)
   if not 0 <= start < stop <= global_batch:
     raise DataError(f"rows {rows} are not a slice of the global batch of {global_batch}")
-  paths = shard_paths(folder, holdout=holdout, part=part)
+  paths = shard_paths(folder, holdout=holdout, part=part, first=first)
   hidden_paths = None
   if features is not None:
     from redrafter_jax.training.features import feature_paths
@@ -322,7 +330,8 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
       raise DataError(f"give one features folder per data folder: {len(feats)} for "
                       f"{len(folders(folder))}")
     hidden_paths = [q for d, f in zip(folders(folder), feats)
-                    for q in feature_paths(f, shard_paths(d, holdout=holdout, part=part),
+                    for q in feature_paths(f, shard_paths(d, holdout=holdout, part=part,
+                                                          first=first),
                                            seq_len=seq_len, hidden_size=hidden_size)]
   source = ShardSource(paths, hidden_paths, seq_len)
   if len(source) == 0:
