@@ -112,25 +112,24 @@ def forward_tokens_per_s(llm, batch: int, length: int, reps: int) -> float:
 
 
 def decode_step_tokens_per_s(llm, batch: int, slots: int, reps: int) -> float:
-  """Best-of-``reps`` tokens/s (``batch`` / step time) of one jitted one-token step over a KV
-  cache of ``slots`` slots, each row's half full; the cache is donated, as in generation's
-  loop, so the step writes it in place."""
+  """Best-of-``reps`` tokens/s (``batch`` / step time) of generation's one-token step
+  (``ar.one_token_step``, jitted) over a KV cache of ``slots`` slots, each row's half full; the
+  cache is donated, as in generation's loop, so the step writes it in place."""
   import functools
 
   import jax
   import jax.numpy as jnp
   from flax import nnx
 
+  from redrafter_jax.inference.ar import one_token_step
   from redrafter_jax.models import kv_cache as kvc
 
   graphdef, state = nnx.split(llm)
 
   @functools.partial(jax.jit, donate_argnums=(2,))
   def step(state, last_B, cache):
-    model = nnx.merge(graphdef, state)
-    mask_BTS = kvc.visible_mask(cache.lengths_B, jnp.ones((batch, 1, 1), bool), slots)
-    logits_BTV, _, cache = model(last_B[:, None], cache.lengths_B[:, None], mask_BTS, cache)
-    return jnp.argmax(logits_BTV[:, 0], axis=-1).astype(jnp.int32), cache
+    logits_BV, cache = one_token_step(nnx.merge(graphdef, state), last_B, cache)
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
 
   cache = kvc.advance(llm.init_cache(batch, slots), jnp.full((batch,), slots // 2, jnp.int32))
   last_B = jnp.full((batch,), 1000 % llm.config.vocab_size, jnp.int32)

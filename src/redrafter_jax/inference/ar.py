@@ -39,6 +39,17 @@ def _next_tokens(key, logits_BV, params: sampling.SamplingParams, *, filtered: b
   return sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
 
 
+def one_token_step(model: Llama, last_B: jax.Array, cache: kvc.KVCache
+                   ) -> tuple[jax.Array, kvc.KVCache]:
+  """One AR forward of each row's newest token ``last_B`` over its cache: ``(logits_BV, cache)``
+  with the token written and every row advanced by one slot. The step generation repeats (and
+  ``bench throughput``'s decode-step rows time)."""
+  B = last_B.shape[0]
+  mask_BTS = kvc.visible_mask(cache.lengths_B, jnp.ones((B, 1, 1), bool), cache.size)
+  logits_BTV, _, cache = model(last_B[:, None], cache.lengths_B[:, None], mask_BTS, cache)
+  return logits_BTV[:, 0], kvc.advance(cache, jnp.ones((B,), jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_size",
                                              "filtered", "greedy"), donate_argnames=())
 def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
@@ -52,17 +63,14 @@ def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingPa
   first_B = _next_tokens(key, logits_BV, params, filtered=filtered, greedy=greedy)
   out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), first_B[:, None],
                        jnp.ones((B,), jnp.int32), stop_ids, max_new_tokens)
-  ones_B11 = jnp.ones((B, 1, 1), bool)
 
   def cond(s: _ARState):
     return ~jnp.all(s.done_B)
 
   def body(s: _ARState):
-    mask_BTS = kvc.visible_mask(s.cache.lengths_B, ones_B11, cache_size)
-    logits_BTV, _, cache = model(s.last_B[:, None], s.cache.lengths_B[:, None], mask_BTS, s.cache)
-    cache = kvc.advance(cache, jnp.ones_like(s.done_B, jnp.int32))
+    logits_BV, cache = one_token_step(model, s.last_B, s.cache)
     rng, key = jax.random.split(s.rng)
-    next_B = _next_tokens(key, logits_BTV[:, 0], params, filtered=filtered, greedy=greedy)
+    next_B = _next_tokens(key, logits_BV, params, filtered=filtered, greedy=greedy)
     out, done_B = record(s.out, s.done_B, next_B[:, None], jnp.ones_like(next_B), stop_ids,
                          max_new_tokens)
     return _ARState(cache, next_B, out.replace(steps=out.steps + 1), done_B, rng)

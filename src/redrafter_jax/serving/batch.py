@@ -88,9 +88,9 @@ def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_h
                          jnp.ones((1,), jnp.int32), stop_ids, M)
   done_1 = done_1 | (limit <= 1)
 
-  # Only the prompt's T slots are written: slots past a row's length are never visible.
+  # Only the prompt's T slots are written: slots past a row's length are never visible. The
+  # row's length (the prompt's, which prefill advanced it by) comes with it.
   cache = kvc.put_row(s.cache, slot, row_cache)
-  cache = cache.replace(lengths_B=cache.lengths_B.at[slot].set(length_1[0]))
   put = lambda full, row: full.at[slot].set(row[0])
   out = s.out.replace(tokens_BM=put(s.out.tokens_BM, out_1.tokens_BM),
                       num_B=put(s.out.num_B, out_1.num_B),

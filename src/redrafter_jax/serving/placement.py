@@ -26,9 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from redrafter_jax import sharding as sh
 from redrafter_jax.config import ConfigError
 from redrafter_jax.inference.decode import ReDrafter
+from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.serving import batch as batch_lib
 from redrafter_jax.serving import policy as policy_lib
 from redrafter_jax.serving import rows as rows_lib

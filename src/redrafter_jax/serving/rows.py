@@ -18,6 +18,7 @@ import jax
 
 from redrafter_jax.models import kv_cache as kvc
 
+
 def _is_row_leaf(x) -> bool:
   return hasattr(x, "ndim") and x.ndim >= 1
 

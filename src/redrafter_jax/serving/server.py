@@ -87,7 +87,8 @@ def use_compile_cache(path: str | None, devices: int | None = None) -> str | Non
 
 
 def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
-          min_context_bucket: int = 512, max_tokens: int = 512, default_max_tokens: int | None = None, max_queue: int = 64,
+          min_context_bucket: int = 512, max_tokens: int = 512,
+          default_max_tokens: int | None = None, max_queue: int = 64,
           speculative: bool = True, drafter_path: str | None = None,
           random_drafter: bool = False, devices: int | None = None,
           model_name: str | None = None, warmup: bool = False,

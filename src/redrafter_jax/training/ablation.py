@@ -81,9 +81,7 @@ def variant_row(ablation: Ablation, name: str) -> dict[str, Any]:
   out = pathlib.Path(preset.train.output_dir)
   evals = _read_csv(out / "eval.csv")
   steps = _read_csv(out / "metrics.csv")
-  row: dict[str, Any] = {"variant": name,
-                         "overrides": describe(ablation, name),
-                         "step": None, "of": preset.train.num_steps}
+  row: dict[str, Any] = {"variant": name, "overrides": describe(ablation, name), "step": None}
   if evals:
     last = evals[-1]
     row["step"] = int(last["step"])

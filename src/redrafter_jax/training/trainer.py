@@ -171,6 +171,12 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], where) -> No
                       "settings or use a new train.output_dir")
 
 
+def training_shards(cfg) -> dict[str, int]:
+  """``data.shard_paths``' selection for ``train.data``: its first ``data_shards`` shards, the
+  last ``eval_shards`` of those held out (add ``part="eval"`` for them)."""
+  return dict(holdout=cfg.eval_shards, first=cfg.data_shards)
+
+
 def build_drafter(preset: Preset, llm_cfg) -> Drafter:
   cfg = preset.train
   if cfg.init_drafter:
@@ -210,8 +216,7 @@ def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
   drafter = build_drafter(preset, llm_cfg)
   # The response-token ranking goes out with the drafter (``restrict_vocab`` reads it) and,
   # with ``vocab_limit``, picks the tokens the head trains on.
-  counts = data_lib.token_counts(cfg.data, llm_cfg.vocab_size, holdout=cfg.eval_shards,
-                                 first=cfg.data_shards)
+  counts = data_lib.token_counts(cfg.data, llm_cfg.vocab_size, **training_shards(cfg))
   drafter.token_ranking = TokenRanking(jnp.asarray(np.argsort(-counts, kind="stable"), jnp.int32))
   vocab_ids_R = None
   if 0 < cfg.vocab_limit < llm_cfg.vocab_size:
@@ -292,8 +297,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   state_shardings = jax.tree.map(lambda _: repl, state)
   data_kwargs = dict(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed,
                      pack=cfg.pack, rows=rows, vocab_size=llm_cfg.vocab_size,
-                     holdout=cfg.eval_shards, first=cfg.data_shards, features=cfg.features,
-                     hidden_size=llm_cfg.hidden_size)
+                     features=cfg.features, hidden_size=llm_cfg.hidden_size,
+                     **training_shards(cfg))
   iterator = data_lib.make_iterator(cfg.data, **data_kwargs)
 
   ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
