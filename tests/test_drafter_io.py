@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 from redrafter_jax import cli
 from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig, LlamaConfig
-from redrafter_jax.models.drafter import abstract_drafter
+from redrafter_jax.models.drafter import TokenRanking, abstract_drafter, restrict_vocab
 from redrafter_jax.weights import drafter_io
 from redrafter_jax.weights.drafter_io import load_drafter, save_drafter
 from redrafter_jax.weights.naming import WeightsError
@@ -329,6 +329,80 @@ def test_pytorch_saved_drafter_decodes_identically(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Compact head: only the draft vocabulary's rows are written.
+
+
+def ranked_drafter(cfg: DrafterConfig, rows: int, seed: int = 0):
+  """A random drafter with a shuffled token ranking whose head rows outside the ``rows``
+  top-ranked tokens are zero, as the trainer leaves them with ``train.vocab_limit``."""
+  drafter = random_drafter(cfg, seed=seed)
+  ranking_V = np.random.default_rng(seed + 100).permutation(cfg.vocab_size).astype(np.int32)
+  drafter.token_ranking = TokenRanking(jnp.asarray(ranking_V))
+  head = drafter.lm_head[-1]
+  keep_V = np.zeros((cfg.vocab_size,), bool)
+  keep_V[ranking_V[:rows]] = True
+  head.kernel.set_value(jnp.where(jnp.asarray(keep_V)[None, :], head.kernel[...], 0))
+  return drafter
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", ["proj-rnn", "noproj-nornn"])
+def test_compact_head_round_trip_is_the_same_drafter(tmp_path, name, dtype):
+  cfg, R = CONFIGS[name], 11
+  drafter = ranked_drafter(cfg, R, seed=4)
+  out = save_drafter(drafter, tmp_path / "out", dtype=dtype, head_rows=R)
+  tensors = load_file(str(out / "model.safetensors"))
+  n = cfg.num_draft_layers
+  assert tensors[f"lm_head.{n}.weight"].shape == (R, cfg.exit_dim)
+  assert json.loads((out / "config.json").read_text())["head_rows"] == R
+  loaded = load_drafter(out)
+  assert loaded.config == cfg
+  cast = {k: np.asarray(jnp.asarray(v, dtype).astype(jnp.float32))
+          for k, v in flat_params(drafter).items()}
+  assert_same_params(loaded, cast)
+  np.testing.assert_array_equal(loaded.token_ranking[...], drafter.token_ranking[...])
+  # What decoding uses, the head restricted to the draft vocabulary, is the same too.
+  h, s, e = _inputs()
+  want = restrict_vocab(load_drafter(save_drafter(drafter, tmp_path / "full", dtype=dtype)), R)
+  got = restrict_vocab(loaded, R)
+  np.testing.assert_array_equal(got.vocab_ids[...], want.vocab_ids[...])
+  np.testing.assert_array_equal(got.logits(h, got.recur(got.init_state(h), e)),
+                                want.logits(h, want.recur(want.init_state(h), e)))
+  # Full again: a compact folder re-exports to the full reference layout.
+  full = save_drafter(loaded, tmp_path / "again", dtype=dtype)
+  assert load_file(str(full / "model.safetensors"))[f"lm_head.{n}.weight"].shape == (
+      cfg.vocab_size, cfg.exit_dim)
+
+
+def test_compact_head_refuses_what_it_would_lose(tmp_path):
+  cfg = CONFIGS["proj-rnn"]
+  drafter = ranked_drafter(cfg, 11)
+  with pytest.raises(ConfigError, match=r"2 of the other 26 rows are not zero"):
+    save_drafter(ranked_drafter(cfg, 13), tmp_path / "a", head_rows=11)
+  for bad in (-1, V, V + 5):
+    with pytest.raises(ConfigError, match="head_rows must be in 1..36"):
+      save_drafter(drafter, tmp_path / "b", head_rows=bad)
+  for fmt in ("mlx", "trtllm"):
+    with pytest.raises(ConfigError, match=f"the {fmt} format needs the full head"):
+      save_drafter(drafter, tmp_path / "c", format=fmt, head_rows=11)
+  assert not any(tmp_path.iterdir())
+
+
+def test_compact_head_folder_errors(tmp_path):
+  cfg = CONFIGS["proj-rnn"]
+  out = save_drafter(ranked_drafter(cfg, 11), tmp_path / "out", head_rows=11)
+  config = json.loads((out / "config.json").read_text())
+  for bad in (-2, "11", 11.0, True, V):
+    (out / "config.json").write_text(json.dumps(dict(config, head_rows=bad)))
+    _expect(ConfigError, out, "head_rows must be an integer", repr(bad))
+  (out / "config.json").write_text(json.dumps(dict(config, head_rows=12)))
+  _expect(WeightsError, out, "'lm_head.2.weight'", "(11, 24)", "(12, 24)")
+  (out / "config.json").write_text(json.dumps(config))
+  (out / "token_ranking.json").unlink()
+  _expect(WeightsError, out, "token_ranking.json", "11 top-ranked")
+
+
+# ---------------------------------------------------------------------------------------------
 # Error paths.
 
 
@@ -476,6 +550,17 @@ def test_cli_export_and_import(tmp_path, capsys):
   cast = {k: v.astype(jnp.bfloat16).astype(jnp.float32) for k, v in flat_params(drafter).items()}
   assert_same_params(load_drafter(tmp_path / "mlx"), cast)
   assert set(load_file(str(tmp_path / "mlx" / "model.safetensors"))) == set(REFERENCE_KEYS)
+
+  # --head-rows: the compact head, read back as the same drafter.
+  ranked = save_drafter(ranked_drafter(CONFIGS["proj-rnn"], 11, seed=8), tmp_path / "ranked")
+  assert cli.main(["export", "--drafter", str(ranked), "--format", "reference", "--head-rows",
+                   "11", "--out", str(tmp_path / "compact")]) == 0
+  assert_same_params(load_drafter(tmp_path / "compact"), flat_params(load_drafter(ranked)))
+  capsys.readouterr()
+  assert cli.main(["export", "--drafter", str(ranked), "--head-rows", "11", "--out",
+                   str(tmp_path / "compact-mlx")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: ") and "mlx format needs the full head" in err
 
   # import: a lm_heads.* checkpoint becomes our canonical reference folder.
   _, tensors, config = _reference(tmp_path, seed=9)

@@ -90,6 +90,11 @@ def test_refuses_other_formats_and_missing_files(tmp_path):
     mlx_runtime.load_mlx_drafter(trt)
   with pytest.raises(WeightsError, match="config.json"):
     mlx_runtime.load_mlx_drafter(tmp_path / "nowhere")
+  head = drafter.lm_head[-1]
+  head.kernel.set_value(head.kernel[...].at[:, V - 1].set(0))  # the row a compact head drops
+  compact = save_drafter(drafter, tmp_path / "compact", head_rows=V - 1)
+  with pytest.raises(WeightsError, match="head_rows.*--format mlx"):
+    mlx_runtime.load_mlx_drafter(compact)
   _, folder = _export(tmp_path, "proj-rnn")
   (folder / "model.safetensors").unlink()
   with pytest.raises(WeightsError, match="model.safetensors"):

@@ -17,11 +17,15 @@ def add_arguments(p):
                  help="dtype of the written tensors")
   p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+  p.add_argument("--head-rows", type=int, default=0, metavar="R",
+                 help="reference format only: keep only the head rows of the R top-ranked "
+                 "tokens (the draft vocabulary the drafter trained; refused if any other row is "
+                 "non-zero). Read back by this library; MLX and TensorRT-LLM need the full head")
 
 
 def run(args) -> int:
   drafter = drafter_io.load_drafter(args.drafter)
   out = drafter_io.save_drafter(drafter, args.out, format=args.format, dtype=args.dtype,
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, head_rows=args.head_rows)
   print(out)
   return 0

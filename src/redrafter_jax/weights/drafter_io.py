@@ -18,6 +18,9 @@ A drafter folder holds ``config.json`` and one unsharded safetensors file in PyT
                    and an HF base model (README "Export and MLX"). Reading a full TensorRT-LLM
                    checkpoint skips the base model's tensors.
 
+Our own variant of the reference layout, a compact head (``head_rows`` in config.json, see
+``save_drafter``), stores only the draft vocabulary's head rows; it reads back as the full drafter.
+
 Some reference-trained checkpoints name the head ``lm_heads.{i}`` / ``input_projs`` or, saved
 from a bare ``Sequential``, ``0.{i}``; reading detects those layouts from the tensor names. Every
 layout is one ``NameTable``, used both ways, so export and import agree by construction.
@@ -53,6 +56,9 @@ TRTLLM_ARCHITECTURE = "ReDrafterForCausalLM"
 # Our sidecar: token ids by frequency in the distillation data (the draft vocabulary's order).
 # Not part of any reference format, so strict loaders of model.safetensors never see it.
 RANKING_FILE = "token_ranking.json"
+# Our config field for a compact head (``save_drafter(head_rows=R)``): the vocabulary head holds
+# only the rows of the R top-ranked tokens, in ranking order; every other row is zero.
+HEAD_ROWS_FIELD = "head_rows"
 
 # Fields the reference's (transformers) config carries that do not change the drafter's math.
 _REFERENCE_EXTRA_FIELDS = ("num_lookback_tokens", "auto_map")
@@ -134,27 +140,70 @@ def _config_json(cfg: DrafterConfig, fmt: str, dtype: str) -> dict[str, Any]:
   return out
 
 
+def _head_name(cfg: DrafterConfig) -> str:
+  """Our name of the vocabulary head's kernel ``[C, V]``."""
+  return f"lm_head.{cfg.num_draft_layers}.kernel"
+
+
+def _compact_head(params: dict[str, Any], cfg: DrafterConfig, ranking: np.ndarray,
+                  head_rows: int) -> dict[str, Any]:
+  """``params`` with the head cut to the ``head_rows`` top-ranked tokens' rows, checking that
+  every row it drops is zero (what the trainer leaves outside ``train.vocab_limit``), so that
+  reading the folder back gives the same drafter."""
+  V = cfg.vocab_size
+  if not 0 < head_rows < V:
+    raise ConfigError(f"head_rows must be in 1..{V - 1} (the drafter has {V} head rows), "
+                      f"got {head_rows}")
+  name = _head_name(cfg)
+  kernel_CV = np.asarray(params[name])
+  dropped_V = np.ones((V,), bool)
+  dropped_V[ranking[:head_rows]] = False
+  nonzero = int(np.count_nonzero(np.any(kernel_CV[:, dropped_V] != 0, axis=0)))
+  if nonzero:
+    raise ConfigError(f"cannot keep only the {head_rows} top-ranked head rows: {nonzero} of the "
+                      f"other {V - head_rows} rows are not zero, so the compact head would "
+                      f"change the drafter (train with train.vocab_limit <= {head_rows}, or "
+                      f"export the full head)")
+  return dict(params, **{name: kernel_CV[:, ranking[:head_rows]]})
+
+
 def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype: str = "float32",
-                 overwrite: bool = False) -> pathlib.Path:
+                 overwrite: bool = False, head_rows: int = 0) -> pathlib.Path:
   """Write ``drafter`` as a folder in ``format`` (reference | mlx | trtllm) at ``dtype``.
 
   ``reference`` and ``mlx`` are the same layout (MLX loads the reference's file as is). Refuses a
   non-empty ``out_dir`` unless ``overwrite``; the folder is built beside it and renamed into
   place, so a failure leaves either the old folder or nothing, never a half-written one.
+
+  ``head_rows`` R > 0 (``reference`` only) writes a compact head: the vocabulary projection's
+  rows of the R top-ranked tokens only (``token_ranking.json`` says which), which is lossless
+  when every other row is zero, as the trainer leaves them with ``train.vocab_limit`` <= R
+  (refused otherwise); the head is most of a drafter's size, so this keeps a wide drafter
+  small. ``load_drafter`` restores the full drafter; Apple's MLX code and TensorRT-LLM need the full
+  head, so export for them without ``head_rows``.
   """
   if format not in FORMATS:
     raise ConfigError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
+  if head_rows and format != "reference":
+    raise ConfigError(f"a compact head (head_rows) is this library's own variant of the "
+                      f"reference layout; the {format} format needs the full head")
   dtype = canonical_dtype(dtype)
   cfg = drafter.config
-  table = name_table("trtllm" if format == "trtllm" else "reference", cfg.num_draft_layers)
-  tensors = {name: np.ascontiguousarray(np.asarray(jnp.asarray(value, DTYPES[dtype])))
-             for name, value in table.export_arrays(flat_params(drafter)).items()}
-  config = _config_json(cfg, format, dtype)
-  weights_file = TRTLLM_WEIGHTS_FILE if format == "trtllm" else WEIGHTS_FILE
   if drafter.vocab_ids is not None:
     raise ConfigError("cannot export a drafter with a restricted draft vocabulary; export the "
                       "full drafter (restriction is an inference-time option)")
-  ranking = np.asarray(drafter.token_ranking[...]).tolist()
+  ranking_V = np.asarray(drafter.token_ranking[...])
+  params = flat_params(drafter)
+  if head_rows:
+    params = _compact_head(params, cfg, ranking_V, head_rows)
+  table = name_table("trtllm" if format == "trtllm" else "reference", cfg.num_draft_layers)
+  tensors = {name: np.ascontiguousarray(np.asarray(jnp.asarray(value, DTYPES[dtype])))
+             for name, value in table.export_arrays(params).items()}
+  config = _config_json(cfg, format, dtype)
+  if head_rows:
+    config[HEAD_ROWS_FIELD] = head_rows
+  weights_file = TRTLLM_WEIGHTS_FILE if format == "trtllm" else WEIGHTS_FILE
+  ranking = ranking_V.tolist()
 
   def write(folder: pathlib.Path):
     from safetensors.numpy import save_file
@@ -162,7 +211,7 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
     # "pt" lets transformers' from_pretrained (the reference's PyTorch loader) accept the file.
     save_file(tensors, str(folder / weights_file), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if ranking != list(range(cfg.vocab_size)):
+    if head_rows or ranking != list(range(cfg.vocab_size)):
       (folder / RANKING_FILE).write_text(json.dumps({"token_ranking": ranking}) + "\n")
 
   out = _write_atomically(pathlib.Path(out_dir), write, overwrite=overwrite)
@@ -281,8 +330,9 @@ def _pick_layout(names, fmt: str, n: int) -> tuple[NameTable, list[str]]:
 
 
 def _check(tensors: Mapping[str, np.ndarray], table: NameTable, cfg: DrafterConfig,
-           source: str) -> None:
-  """Missing, unexpected and misshapen tensors, named as the file names them."""
+           source: str, head_rows: int = 0) -> None:
+  """Missing, unexpected and misshapen tensors, named as the file names them (the head has
+  ``head_rows`` rows when the folder's head is compact)."""
   theirs_of = {}
   for name in sorted(tensors):
     ours = table.to_ours(name)[0]
@@ -291,6 +341,8 @@ def _check(tensors: Mapping[str, np.ndarray], table: NameTable, cfg: DrafterConf
                          f"parameter; keep one")
     theirs_of[ours] = name
   expected = {name: var.shape for name, var in flat_params(abstract_drafter(cfg)).items()}
+  if head_rows:
+    expected[_head_name(cfg)] = (cfg.exit_dim, head_rows)
   missing = sorted(table.to_theirs(o)[0] for o in expected if o not in theirs_of)
   unexpected = sorted(t for o, t in theirs_of.items() if o not in expected)
   if missing:
@@ -308,8 +360,21 @@ def _check(tensors: Mapping[str, np.ndarray], table: NameTable, cfg: DrafterConf
                          f"({_describe(cfg)}) implies {want}")
 
 
+def _head_rows(fields: dict[str, Any], path: pathlib.Path) -> int:
+  """Pops and checks ``head_rows`` (0: the head is full)."""
+  rows = fields.pop(HEAD_ROWS_FIELD, 0)
+  if (not isinstance(rows, int) or isinstance(rows, bool) or
+      not 0 <= rows < fields.get("vocab_size", rows + 1)):
+    raise ConfigError(f"{path}: {HEAD_ROWS_FIELD} must be an integer in 0..vocab_size-1 (the "
+                      f"number of head rows stored), got {rows!r}")
+  return rows
+
+
 def read_drafter(path) -> tuple[str, str, DrafterConfig, dict[str, np.ndarray]]:
-  """``(format, layout name, config, {our name: array})`` of a drafter folder, fully checked."""
+  """``(format, layout name, config, {our name: array})`` of a drafter folder, fully checked.
+
+  A compact head (``head_rows`` in config.json) comes back full: its rows go to the ranked
+  tokens they belong to and every other row is zero, the drafter that was saved."""
   folder = pathlib.Path(path)
   if folder.is_file() and folder.suffix == ".safetensors":
     folder = folder.parent
@@ -318,6 +383,7 @@ def read_drafter(path) -> tuple[str, str, DrafterConfig, dict[str, np.ndarray]]:
   if not folder.is_dir():
     raise WeightsError(f"{folder}: expected a drafter folder (config.json + model.safetensors)")
   fmt, fields = read_config(folder)
+  head_rows = _head_rows(fields, folder / "config.json")
   weights = _weights_path(folder, fmt)
   tensors = _read_tensors(weights)
   if "rnn" not in fields:
@@ -334,8 +400,17 @@ def read_drafter(path) -> tuple[str, str, DrafterConfig, dict[str, np.ndarray]]:
     more = " ..." if len(unknown) > 8 else ""
     raise WeightsError(f"{weights}: unknown tensor name(s) {unknown[:8]}{more} (not a "
                        f"{fmt} drafter layout)")
-  _check(tensors, table, cfg, str(weights))
-  return fmt, table.name, cfg, table.import_arrays(tensors)
+  _check(tensors, table, cfg, str(weights), head_rows)
+  arrays = table.import_arrays(tensors)
+  if head_rows:
+    if not (folder / RANKING_FILE).is_file():
+      raise WeightsError(f"{folder}: config.json says the head keeps only the {head_rows} "
+                         f"top-ranked tokens' rows, but there is no {RANKING_FILE} to say which")
+    rows_CR = arrays[_head_name(cfg)]
+    kernel_CV = np.zeros((cfg.exit_dim, cfg.vocab_size), rows_CR.dtype)
+    kernel_CV[:, read_token_ranking(folder, cfg.vocab_size)[:head_rows]] = rows_CR
+    arrays[_head_name(cfg)] = kernel_CV
+  return fmt, table.name, cfg, arrays
 
 
 def load_drafter(path, *, dtype=jnp.float32) -> Drafter:

@@ -133,6 +133,11 @@ def load_mlx_drafter(path, *, dtype: str | None = None):
   if fmt != "reference":
     raise WeightsError(f"{folder}: a {fmt} drafter; MLX loads the reference layout "
                        f"(redrafter-jax export --format mlx)")
+  if fields.get(drafter_io.HEAD_ROWS_FIELD):
+    raise WeightsError(f"{folder}: its head keeps only the draft vocabulary's rows "
+                       f"({drafter_io.HEAD_ROWS_FIELD} in config.json), which the reference's "
+                       f"MLX code cannot load; write the full head with `redrafter-jax export "
+                       f"--drafter {folder} --format mlx --out DIR`")
   weights_path = folder / drafter_io.WEIGHTS_FILE
   if not weights_path.is_file():
     raise WeightsError(f"{folder}: no {drafter_io.WEIGHTS_FILE}")
