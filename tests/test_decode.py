@@ -5,28 +5,27 @@ import pytest
 from flax import nnx
 
 from oracle import OracleDrafter
-from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig, LlamaConfig
+from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig
 from redrafter_jax.inference import decode as decode_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import decode, decode_stepwise
 from redrafter_jax.inference.runtime import GenerateError
 from redrafter_jax.models.drafter import Drafter
-from redrafter_jax.models.llama import Llama
+from tiny_models import TINY_LLM, TINY_VOCAB, tiny_drafter, tiny_llm
 
-V = 64
-CFG = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+V = TINY_VOCAB
+CFG = TINY_LLM
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20]]
 
 
 @pytest.fixture(scope="module")
 def llm():
-  return Llama(CFG, rngs=nnx.Rngs(0))
+  return tiny_llm()
 
 
 @pytest.fixture(scope="module")
 def drafter():
-  return Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48), rngs=nnx.Rngs(1))
+  return tiny_drafter()
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig, LlamaConfig
+from redrafter_jax.config import ConfigError, DecodeConfig
 from redrafter_jax.inference import lookup
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import decode, decode_stepwise
-from redrafter_jax.models.drafter import Drafter
-from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import batch as batch_lib
+from tiny_models import TINY_LLM, TINY_VOCAB, tiny_drafter, tiny_llm
 
-V = 64
-CFG = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+V = TINY_VOCAB
+CFG = TINY_LLM
 # Prompts that repeat themselves (a copy is there to find) and ones that do not.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [7, 8, 9], [3, 4, 3, 4, 3, 4, 3], [20]]
 
@@ -65,12 +62,12 @@ def test_write_drops_past_count_and_size():
 
 @pytest.fixture(scope="module")
 def llm():
-  return Llama(CFG, rngs=nnx.Rngs(0))
+  return tiny_llm()
 
 
 @pytest.fixture(scope="module")
 def drafter():
-  return Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48), rngs=nnx.Rngs(1))
+  return tiny_drafter()
 
 
 @pytest.mark.parametrize("W,L,n,budget", [(1, 4, 3, None), (2, 5, 2, None), (1, 2, 1, None),

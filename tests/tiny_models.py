@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face Llama-family models for parity tests (built in-process, no download).
+"""Tiny random models for tests (built in-process, no download): Hugging Face Llama-family models
+for parity tests, and ``tiny_llm`` / ``tiny_drafter``, the pair the decoding tests share.
 
 transformers initialises norms to one and biases to zero, which would let a wrong norm or bias
 path pass unnoticed; ``hf_model`` therefore redraws every parameter (norm scales around 1, biases
@@ -15,7 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redrafter_jax.config import DrafterConfig, LlamaConfig
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
 
 VOCAB = 128
 
@@ -28,6 +32,20 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
                    original_max_position_embeddings=32, rope_theta=10000.0)
 
 KINDS = ("llama", "qwen2", "llama3", "untied")
+
+# The decoding tests' LLM and drafter: random, small enough to compile in seconds.
+TINY_VOCAB = 64
+TINY_LLM = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+
+
+def tiny_llm() -> Llama:
+  return Llama(TINY_LLM, rngs=nnx.Rngs(0))
+
+
+def tiny_drafter() -> Drafter:
+  return Drafter(DrafterConfig(vocab_size=TINY_VOCAB, hidden_size=TINY_LLM.hidden_size,
+                               exit_dim=48), rngs=nnx.Rngs(1))
 
 
 def hf_config(kind: str = "llama"):
