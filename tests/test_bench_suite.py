@@ -319,3 +319,23 @@ def test_step_split_leaves_a_bf16_model_as_it_was(tiny):
       max_new_tokens=8), repeat=2)
   assert llm.embed_tokens.embedding[...].dtype == jnp.bfloat16
   assert min(split["draft_ms"], split["verify_ms"], split["accept_commit_ms"]) > 0
+
+
+def test_bench_decode_compares_weight_layouts_side_by_side(tiny, capsys):
+  """``bench decode --weight-layouts oi,io``: every row once per layout, greedy ReDrafter equal
+  to AR in each (the tiny model's float32 weights, both layouts); bad layouts are a usage error."""
+  model, prompts = tiny
+  args = ["--model", str(model), "--prompts", str(prompts), "--drafter", "random",
+          "--exit-dim", "32", "--num-prompts", "3", "--max-new-tokens", "8", "--beams", "2x3",
+          "--repeat", "1"]
+  assert bench_decode.main(args + ["--weight-layouts", "oi,io"]) == 0
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith(("| oi |", "| io |"))]
+  assert [r.split(" | ")[:2] for r in rows] == [
+      ["| oi", "AR greedy"], ["| oi", "ReDrafter W=2 L=3"], ["| io", "AR greedy"],
+      ["| io", "ReDrafter W=2 L=3"], ["| oi", "W=2 L=3"], ["| io", "W=2 L=3"]]
+  assert rows[1].endswith("| 3/3 |") and rows[3].endswith("| 3/3 |")
+  for bad in ("oi,oi", "io,xy"):
+    with pytest.raises(SystemExit):
+      bench_decode.main(args + ["--weight-layouts", bad])
+  assert "--weight-layouts: want distinct values" in capsys.readouterr().err

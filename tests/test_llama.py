@@ -5,6 +5,8 @@ Qwen2 (q/k/v biases), Llama-3 RoPE scaling and untied embeddings. The real SmolL
 compared with transformers loading the very same GGUF (slow tests).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +15,11 @@ from flax import nnx
 
 import tiny_models
 from tiny_models import forward
+from redrafter_jax import sharding
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models import linear
 from redrafter_jax.models.attention import BackendError, attend, check_backend
-from redrafter_jax.models.linear import project
 from redrafter_jax.weights.llama_weights import load_llama
 
 
@@ -105,20 +108,23 @@ def test_bf16_weights_with_fp32_activations(tmp_path, kind):
   assert (lmix.argmax(-1) == l32.argmax(-1)).mean() > 0.95
 
 
+@pytest.mark.parametrize("layout", linear.LAYOUTS)
 @pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.float32, jnp.float32),
                                              (jnp.float32, jnp.bfloat16),
                                              (jnp.bfloat16, jnp.bfloat16)])
-def test_project_matches_float64_math_for_any_row_count(x_dtype, w_dtype):
-  """``x @ w.T`` with ``w`` [out, in]: float32 inputs keep ~16 bits through bf16 weights (the
-  hi + lo split), so the result is close to exact math on the unrounded input, far closer than
-  rounding the input to bf16 would be; one row (padded or split into two) gives the same result
-  as that row in a batch."""
+def test_project_matches_float64_math_for_any_row_count(x_dtype, w_dtype, layout):
+  """``x @ W^T`` with ``W`` [out, in], stored as is or transposed: float32 inputs keep ~16 bits
+  through bf16 weights (the hi + lo split), so the result is close to exact math on the
+  unrounded input, far closer than rounding the input to bf16 would be; one row (padded or split
+  into two) gives the same result as that row in a batch."""
   rng = np.random.default_rng(0)
   w_OI = jnp.asarray(rng.normal(size=(48, 40)) / np.sqrt(40), w_dtype)
   x_rI = jnp.asarray(rng.normal(size=(3, 40)), x_dtype)
   exact = np.asarray(x_rI, np.float64) @ np.asarray(w_OI, np.float64).T
-  many = project(x_rI, w_OI, jnp.float32)
-  one = project(x_rI[None, 1:2], w_OI, jnp.float32)  # [1, 1, I]: one row in all
+  w = w_OI if layout == "oi" else w_OI.T
+  project = functools.partial(linear.project, layout=layout)
+  many = project(x_rI, w, jnp.float32)
+  one = project(x_rI[None, 1:2], w, jnp.float32)  # [1, 1, I]: one row in all
   assert many.shape == (3, 48) and one.shape == (1, 1, 48) and one.dtype == jnp.float32
   np.testing.assert_allclose(one[0, 0], many[1], rtol=1e-6, atol=1e-6)
   err = np.abs(np.asarray(many) - exact).max()
@@ -126,8 +132,45 @@ def test_project_matches_float64_math_for_any_row_count(x_dtype, w_dtype):
   if (x_dtype, w_dtype) == (jnp.float32, jnp.bfloat16):
     rounded = np.asarray(x_rI.astype(jnp.bfloat16), np.float64) @ np.asarray(w_OI, np.float64).T
     assert err < np.abs(rounded - exact).max() / 30
-  jaxpr = str(jax.make_jaxpr(lambda x: project(x, w_OI, jnp.float32))(x_rI[:1]))
+  jaxpr = str(jax.make_jaxpr(lambda x: project(x, w, jnp.float32))(x_rI[:1]))
   assert ("concatenate" in jaxpr) == (w_dtype == jnp.bfloat16)  # f32 weights: a plain dot
+
+
+def test_weight_layouts_compute_the_same_model(tmp_path):
+  """On a CPU, float32 projections are stored [in, out] (``kernel``) and bfloat16 ones [out, in]
+  (``weight``); ``to_layout`` converts either way exactly (a transposition), and the logits of
+  the two layouts agree to float32 rounding (the matmuls sum in another order)."""
+  model, _, _ = tiny_models.load_tiny(tmp_path, "untied")
+  want = "io" if jax.default_backend() == "cpu" else "oi"
+  assert linear.preferred_layout(jnp.float32) == want
+  assert linear.preferred_layout(jnp.bfloat16) == "oi"
+  denses = [m for _, m in nnx.iter_modules(model) if isinstance(m, linear.Dense)]
+  assert len(denses) == 2 * 7 + 1 and {d.layout for d in denses} == {want}
+  before = {id(d): np.asarray(d.matrix_OI()) for d in denses}
+  tokens_BT = random_tokens(7, (2, 16))
+  logits = forward(model, tokens_BT)
+  for layout in ("oi", "io", "oi"):
+    linear.to_layout(model, layout)
+    assert {d.layout for d in denses} == {layout}
+    for d in denses:
+      assert not hasattr(d, linear.PARAM_NAME["io" if layout == "oi" else "oi"])
+      np.testing.assert_array_equal(d.matrix_OI(), before[id(d)])
+    np.testing.assert_allclose(forward(model, tokens_BT), logits, rtol=1e-5, atol=1e-5)
+  assert model.output_matrix().shape == (model.config.vocab_size, model.config.hidden_size)
+  with pytest.raises(ValueError, match="unknown weight layout 'xy'"):
+    linear.to_layout(model, "xy")
+
+
+def test_sharding_rules_follow_the_layout():
+  """A column-parallel projection splits its output features in either layout."""
+  mesh = sharding.make_mesh(data=1, model=1)
+  P = jax.sharding.PartitionSpec
+  for name, oi, io in [("layers.0.mlp.up_proj", P("model", None), P(None, "model")),
+                       ("layers.0.mlp.down_proj", P(None, "model"), P("model", None)),
+                       ("layers.3.self_attn.k_proj", P("model", None), P(None, "model")),
+                       ("lm_head", P("model", None), P(None, "model"))]:
+    assert sharding.spec_for(f"{name}.weight", (4, 4), mesh) == oi
+    assert sharding.spec_for(f"{name}.kernel", (4, 4), mesh) == io
 
 
 # --- attention backends ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ import dataclasses
 import queue
 import time
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -267,8 +268,13 @@ def test_sharded_engine_equals_decode(llm, tok, random_drafter, reference):
   mesh = serving_mesh(8)
   engine = Engine(llm, tok, random_drafter, config=ECFG, stop_ids=[EOS], mesh=mesh).start()
   try:
-    weight = engine._place.llm_state["layers"][0]["mlp"]["up_proj"]["weight"]
+    up_proj = engine._place.llm_state["layers"][0]["mlp"]["up_proj"]
+    (weight,) = [up_proj[name] for name in ("weight", "kernel") if name in up_proj]
     assert len(weight[...].sharding.device_set) == 8
+    # Column-parallel: the output features are split, in either weight layout.
+    P = jax.sharding.PartitionSpec
+    want = P("model", None) if "weight" in up_proj else P(None, "model")
+    assert weight[...].sharding.spec == want
     assert_serves_decode(engine, reference, [0, 2, 6, 13])
   finally:
     engine.stop()

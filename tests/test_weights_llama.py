@@ -9,6 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 import tiny_models
 from redrafter_jax.config import ConfigError
+from redrafter_jax.models import linear
 from redrafter_jax.weights.llama_weights import HF_TABLE, load_llama, unpermute_qk
 from redrafter_jax.weights.naming import WeightsError
 from redrafter_jax.weights.params import flat_params
@@ -19,16 +20,22 @@ def hf_state(hf_model) -> dict[str, np.ndarray]:
 
 
 def assert_same_weights(model, hf_model):
-  """Every parameter of ours equals the HF tensor it comes from, in the same layout."""
+  """Every parameter of ours equals the HF tensor it comes from: as is, or transposed where a
+  projection is stored [in, out] (``kernel``, the layout float32 weights get on a CPU)."""
   ours = flat_params(model)
   theirs = hf_state(hf_model)
   if hf_model.config.tie_word_embeddings:
     theirs.pop("lm_head.weight", None)
   assert len(ours) == len(theirs)
+  kernels = [name for name in ours if name.endswith(".kernel")]
+  assert bool(kernels) == (linear.preferred_layout(model.param_dtype) == "io")
   for name, value in ours.items():
+    value = np.asarray(value)
+    if name.endswith(".kernel"):
+      name, value = name[:-len("kernel")] + "weight", value.T
     hf_name, transpose = HF_TABLE.to_theirs(name)
     assert not transpose, name
-    np.testing.assert_array_equal(np.asarray(value), theirs[hf_name], err_msg=name)
+    np.testing.assert_array_equal(value, theirs[hf_name], err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "untied"])
@@ -278,4 +285,4 @@ def test_smollm2_gguf_matches_its_published_architecture(smollm2):
           cfg.intermediate_size, cfg.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
   assert cfg.tie_word_embeddings and not cfg.attention_bias and cfg.rope_scaling is None
   assert cfg.rope_theta == 100000.0
-  assert model.layers[0].self_attn.q_proj.weight.shape == (576, 576)
+  assert model.layers[0].mlp.down_proj.matrix_OI().shape == (576, 1536)

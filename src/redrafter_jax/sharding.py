@@ -4,9 +4,9 @@ Mesh axes:
   ``data``   batch rows are split over it (data parallelism; spans processes on a cluster)
   ``model``  tensor parallelism for the base LLM (Megatron style)
 
-Base LLM (weights are (out, in), PyTorch's layout): q/k/v and gate/up weights are
-column-parallel (output features split over ``model``), o/down weights row-parallel (input
-features split), so one attention block and one MLP each need a single all-reduce. The embedding
+Base LLM: q/k/v and gate/up projections are column-parallel (output features split over
+``model``), o/down projections row-parallel (input features split), in either weight layout
+(``weight`` is (out, in), PyTorch's; ``kernel`` (in, out): ``models.linear``), so one attention block and one MLP each need a single all-reduce. The embedding
 table and an untied ``lm_head`` are split over the vocabulary (vocab-parallel logits; the
 embedding gather becomes a masked lookup plus all-reduce). Norm scales are replicated. A dimension that the axis does not divide stays
 replicated, so any mesh is correct for any model (just less sharded).
@@ -41,6 +41,12 @@ LLAMA_RULES: tuple[tuple[str, P], ...] = (
     (r"self_attn\.o_proj\.weight$", P(None, MODEL)),
     (r"mlp\.(gate|up)_proj\.weight$", P(MODEL, None)),
     (r"mlp\.down_proj\.weight$", P(None, MODEL)),
+    # The same projections stored [in, out] (``models.linear`` layout "io").
+    (r"lm_head\.kernel$", P(None, MODEL)),
+    (r"self_attn\.(q|k|v)_proj\.kernel$", P(None, MODEL)),
+    (r"self_attn\.o_proj\.kernel$", P(MODEL, None)),
+    (r"mlp\.(gate|up)_proj\.kernel$", P(None, MODEL)),
+    (r"mlp\.down_proj\.kernel$", P(MODEL, None)),
 )
 REPLICATED_RULES: tuple[tuple[str, P], ...] = ()
 

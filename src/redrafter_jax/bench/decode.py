@@ -4,7 +4,8 @@ Prints, per (W, L): tokens/s of our AR greedy and of ReDrafter greedy on the sam
 (interleaved, batch 1), tokens/step, mean packed tree size and dedup saving; then the cost split
 of one decode step (draft = beam search + tree packing; verify = the LLM forward over the tree;
 accept + commit), measured on a real prefilled state, with the overhead ratio
-(draft + accept/commit) / verify.
+(draft + accept/commit) / verify. ``--weight-layouts oi,io`` runs all of it for each way of
+storing the LLM's projections (``models.linear``), interleaved prompt by prompt.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import ReDrafter
+from redrafter_jax.models import linear
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
@@ -176,14 +178,23 @@ def main(argv=None) -> int:
   ap.add_argument("--repeat", type=int, default=10, help="repeats for the step split")
   ap.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
                   help="the LLM's weights (activations stay float32)")
+  ap.add_argument("--weight-layouts", default=None,
+                  help="comma-separated LLM weight layouts to compare, side by side (oi: [out, "
+                  "in]; io: [in, out]); default: the one the weights load in here")
   args = ap.parse_args(argv)
   try:
     settings = Beams.parse_list(args.beams)
   except ValueError as e:
     ap.error(f"--beams: {e}")
+  layouts = (args.weight_layouts.split(",") if args.weight_layouts else
+             [linear.preferred_layout(jnp.dtype(args.param_dtype))])
+  if any(x not in linear.LAYOUTS for x in layouts) or len(set(layouts)) < len(layouts):
+    ap.error(f"--weight-layouts: want distinct values from {list(linear.LAYOUTS)}, got "
+             f"{args.weight_layouts!r}")
   args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
 
   llm, llm_cfg = load_llama(args.model, param_dtype=jnp.dtype(args.param_dtype))
+  llms = {x: linear.to_layout(nnx.clone(llm) if i else llm, x) for i, x in enumerate(layouts)}
   tok = load_tokenizer(resolve_source(args.model))
   stops = stop_token_ids(tok)
   drafter = load_drafter_arg(args.drafter, llm_cfg, args.exit_dim)
@@ -191,47 +202,54 @@ def main(argv=None) -> int:
   cfgs = [b.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
           for b in settings]
   print(f"# {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, "
-        f"greedy, batch 1, {args.param_dtype} weights, drafter={args.drafter}, "
-        f"draft_vocab={args.draft_vocab or 'all'}, "
+        f"greedy, batch 1, {args.param_dtype} weights in layout(s) {','.join(layouts)}, "
+        f"drafter={args.drafter}, draft_vocab={args.draft_vocab or 'all'}, "
         f"device={jax.devices()[0].platform}")
   # Warm up (compile) every program first, then interleave the timed runs by prompt.
-  generate(llm, [prompts[0]], max_new_tokens=args.max_new_tokens, stop_ids=stops)
-  redrafters = {cfg: ReDrafter(llm, drafter, cfg) for cfg in cfgs}  # models split once each
-  for cfg in cfgs:
-    redrafters[cfg]([prompts[0]], stop_ids=stops)
-  totals = {"ar": [0, 0.0]} | {c: [0, 0.0, 0, 0.0, 0.0, 0.0] for c in cfgs}
-  for prompt in prompts:
-    t = time.perf_counter()
-    ar = generate(llm, [prompt], max_new_tokens=args.max_new_tokens, stop_ids=stops)
-    totals["ar"][0] += len(ar.tokens[0])
-    totals["ar"][1] += time.perf_counter() - t
+  redrafters = {}
+  for x, model in llms.items():
+    generate(model, [prompts[0]], max_new_tokens=args.max_new_tokens, stop_ids=stops)
     for cfg in cfgs:
+      redrafters[x, cfg] = ReDrafter(model, drafter, cfg)  # models split once each
+      redrafters[x, cfg]([prompts[0]], stop_ids=stops)
+  totals = {(x, "ar"): [0, 0.0] for x in layouts}
+  totals |= {key: [0, 0.0, 0, 0.0, 0.0, 0] for key in redrafters}
+  for prompt in prompts:
+    for x, model in llms.items():
       t = time.perf_counter()
-      r = redrafters[cfg]([prompt], stop_ids=stops)
-      row = totals[cfg]
-      row[0] += len(r.tokens[0])
-      row[1] += time.perf_counter() - t
-      row[2] += r.metrics["steps"]
-      row[3] += r.metrics["accepted_tokens"]
-      row[4] += r.metrics["mean_tree_tokens"] * r.metrics["steps"]
-      row[5] += r.metrics["mean_unique_tokens"] * r.metrics["steps"]
-  ar_tps = totals["ar"][0] / totals["ar"][1]
-  print("\n| decoder | tokens/s | speedup vs AR | tokens/step | tree tokens (packed / beams) |")
-  print("|---|---|---|---|---|")
-  print(f"| AR greedy | {ar_tps:.1f} | 1.00x | 1.00 | - |")
-  for b, cfg in zip(settings, cfgs):
-    n, secs, steps, acc, tree, _ = totals[cfg]
-    print(f"| ReDrafter {b.label} | {n / secs:.1f} | {n / secs / ar_tps:.2f}x | "
-          f"{(acc + steps) / max(steps, 1):.2f} | {tree / max(steps, 1):.1f} / "
-          f"{cfg.num_beams * cfg.beam_length} |")
-  print("\n| setting | N | draft (beam search + pack) ms | verify forward ms | accept+commit ms "
-        "| overhead / verify |")
-  print("|---|---|---|---|---|---|")
-  for b, cfg in zip(settings, cfgs):
-    s = step_split(llm, drafter, prompts[0], cfg, args.repeat)
-    print(f"| {b.label} | {cfg.num_tree_tokens} | {s['draft_ms']:.1f} "
-          f"| {s['verify_ms']:.1f} | {s['accept_commit_ms']:.1f} | "
-          f"{100 * s['overhead_vs_verify']:.0f}% |")
+      ar = generate(model, [prompt], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+      totals[x, "ar"][0] += len(ar.tokens[0])
+      totals[x, "ar"][1] += time.perf_counter() - t
+      for cfg in cfgs:
+        t = time.perf_counter()
+        r = redrafters[x, cfg]([prompt], stop_ids=stops)
+        row = totals[x, cfg]
+        row[0] += len(r.tokens[0])
+        row[1] += time.perf_counter() - t
+        row[2] += r.metrics["steps"]
+        row[3] += r.metrics["accepted_tokens"]
+        row[4] += r.metrics["mean_tree_tokens"] * r.metrics["steps"]
+        row[5] += r.tokens[0] == ar.tokens[0]
+  print("\n| layout | decoder | tokens/s | speedup vs AR (same layout) | tokens/step | tree tokens "
+        "(packed / beams) | same tokens as AR |")
+  print("|---|---|---|---|---|---|---|")
+  for x in layouts:
+    ar_tps = totals[x, "ar"][0] / totals[x, "ar"][1]
+    print(f"| {x} | AR greedy | {ar_tps:.1f} | 1.00x | 1.00 | - | - |")
+    for b, cfg in zip(settings, cfgs):
+      n, secs, steps, acc, tree, same = totals[x, cfg]
+      print(f"| {x} | ReDrafter {b.label} | {n / secs:.1f} | {n / secs / ar_tps:.2f}x | "
+            f"{(acc + steps) / max(steps, 1):.2f} | {tree / max(steps, 1):.1f} / "
+            f"{cfg.num_beams * cfg.beam_length} | {same}/{len(prompts)} |")
+  print("\n| layout | setting | N | draft (beam search + pack) ms | verify forward ms "
+        "| accept+commit ms | overhead / verify |")
+  print("|---|---|---|---|---|---|---|")
+  for x, model in llms.items():
+    for b, cfg in zip(settings, cfgs):
+      s = step_split(model, drafter, prompts[0], cfg, args.repeat)
+      print(f"| {x} | {b.label} | {cfg.num_tree_tokens} | {s['draft_ms']:.1f} "
+            f"| {s['verify_ms']:.1f} | {s['accept_commit_ms']:.1f} | "
+            f"{100 * s['overhead_vs_verify']:.0f}% |")
   return 0
 
 

@@ -1,6 +1,13 @@
-"""The base LLM's projections: weights stored ``[out, in]`` (PyTorch's layout), any weight dtype.
+"""The base LLM's projections: weights in one of two layouts, any weight dtype.
 
-``project(x_xI, w_OI, dtype)`` is ``x @ w.T`` accumulated in float32, then cast to ``dtype`` (the
+Layouts (``LAYOUTS``): ``oi`` stores a projection's weight ``[out, in]`` (PyTorch's layout, the
+parameter ``weight``); ``io`` stores it ``[in, out]`` (Flax's, the parameter ``kernel``). The
+math is the same; XLA:CPU runs them at different speeds (``preferred_layout``): with float32
+weights a matmul over a few rows (a verified tree, a prefill) is faster ``[in, out]``, and one
+row about as fast; with bfloat16 weights the ``[out, in]`` layout is the one its GEMM library
+serves (below). ``to_layout`` converts a model; checkpoints keep PyTorch's layout on disk.
+
+``project(x_xI, w, dtype)`` is ``x @ W^T`` accumulated in float32, then cast to ``dtype`` (the
 activations' dtype). With float32 weights that is the plain float32 matmul. With bfloat16 weights
 and float32 activations ("bf16 weights") every matmul reads half the bytes and takes XLA:CPU's
 bf16 GEMM path, which on CPUs with AVX512-BF16/AMX makes a forward over a few new tokens cost
@@ -29,9 +36,15 @@ low-precision activations take the weights' dtype as they are.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+
+LAYOUTS = ("oi", "io")
+PARAM_NAME = {"oi": "weight", "io": "kernel"}  # the parameter that holds the matrix per layout
 
 
 def on_cpu() -> bool:
@@ -39,53 +52,104 @@ def on_cpu() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def project(x_xI: jax.Array, w_OI: jax.Array, dtype, *, cpu: bool | None = None) -> jax.Array:
-  """``x_xI @ w_OI.T`` for inputs of any leading shape: ``[..., I] -> [..., O]`` in ``dtype``.
+def preferred_layout(param_dtype, *, cpu: bool | None = None) -> str:
+  """The layout projections with ``param_dtype`` weights are stored in by default: ``io`` for
+  float32 weights on a CPU (XLA:CPU's small-row matmuls are faster with the contraction on the
+  weight's leading axis: README "Results"), ``oi`` otherwise (bfloat16 weights on a CPU, see
+  above; GPUs and TPUs, whose compilers pick their own operand layouts)."""
+  cpu = on_cpu() if cpu is None else cpu
+  return "io" if cpu and jnp.dtype(param_dtype) == jnp.float32 else "oi"
+
+
+def _check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise ValueError(f"unknown weight layout {layout!r}; choose one of {LAYOUTS}")
+
+
+def project(x_xI: jax.Array, w: jax.Array, dtype, *, layout: str = "oi",
+            cpu: bool | None = None) -> jax.Array:
+  """``x_xI @ W^T`` for inputs of any leading shape: ``[..., I] -> [..., O]`` in ``dtype``, where
+  ``w`` is ``W`` ``[O, I]`` (``layout`` "oi") or its transpose ``[I, O]`` ("io").
 
   ``cpu`` (default: ``on_cpu()``) turns on XLA:CPU's workarounds (see the module docstring).
   """
+  _check_layout(layout)
   *lead, I = x_xI.shape
   x_rI = x_xI.reshape(-1, I)
   r = x_rI.shape[0]
+  O = w.shape[0] if layout == "oi" else w.shape[1]
+  dot = functools.partial(_dot, layout=layout)
   cpu = on_cpu() if cpu is None else cpu
-  wider_x = jnp.finfo(x_rI.dtype).nmant > jnp.finfo(w_OI.dtype).nmant
+  wider_x = jnp.finfo(x_rI.dtype).nmant > jnp.finfo(w.dtype).nmant
   if not cpu:
-    y_rO = _dot(x_rI, w_OI.astype(x_rI.dtype)) if wider_x else _dot(x_rI.astype(w_OI.dtype), w_OI)
+    y_rO = dot(x_rI, w.astype(x_rI.dtype)) if wider_x else dot(x_rI.astype(w.dtype), w)
   elif wider_x:
     # Float32 activations, low-precision weights: x = hi + lo, both in the weight's dtype, as
     # extra rows of one matmul (x keeps ~16 of its 24 mantissa bits, products are exact, sums
     # float32). Rounding x to bf16 alone would turn float32 noise into 2^-9 steps.
-    hi_rI = x_rI.astype(w_OI.dtype)
-    lo_rI = (x_rI - hi_rI.astype(x_rI.dtype)).astype(w_OI.dtype)
-    y_hilo = _dot(jnp.concatenate([hi_rI, lo_rI], axis=0), w_OI)  # [2r, O]: hi rows, lo rows
+    hi_rI = x_rI.astype(w.dtype)
+    lo_rI = (x_rI - hi_rI.astype(x_rI.dtype)).astype(w.dtype)
+    y_hilo = dot(jnp.concatenate([hi_rI, lo_rI], axis=0), w)  # [2r, O]: hi rows, lo rows
     y_rO = y_hilo[:r] + y_hilo[r:]
-  elif r == 1 and w_OI.dtype != jnp.float32:
-    y_rO = _dot(jnp.concatenate([x_rI, x_rI], axis=0).astype(w_OI.dtype), w_OI)[:1]
+  elif r == 1 and w.dtype != jnp.float32:
+    y_rO = dot(jnp.concatenate([x_rI, x_rI], axis=0).astype(w.dtype), w)[:1]
   else:
-    y_rO = _dot(x_rI.astype(w_OI.dtype), w_OI)
-  return y_rO.astype(dtype).reshape(*lead, w_OI.shape[0])
+    y_rO = dot(x_rI.astype(w.dtype), w)
+  return y_rO.astype(dtype).reshape(*lead, O)
 
 
-def _dot(x_rI, w_OI):
-  return jax.lax.dot_general(x_rI, w_OI, (((1,), (1,)), ((), ())),
+def _dot(x_rI, w, *, layout: str):
+  contract = 1 if layout == "oi" else 0
+  return jax.lax.dot_general(x_rI, w, (((1,), (contract,)), ((), ())),
                              preferred_element_type=jnp.float32)
 
 
 class Dense(nnx.Module):
-  """``y = x W^T + b`` with ``weight`` ``[out, in]`` in ``param_dtype``, output in ``dtype``."""
+  """``y = x W^T + b``, ``W`` stored in ``layout`` (None: ``preferred_layout(param_dtype)``) as
+  ``weight`` ``[out, in]`` or ``kernel`` ``[in, out]``, in ``param_dtype``; output in ``dtype``."""
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-               param_dtype, rngs: nnx.Rngs):
-    init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
-    self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), param_dtype))
+               param_dtype, rngs: nnx.Rngs, layout: str | None = None):
+    layout = preferred_layout(param_dtype) if layout is None else layout
+    _check_layout(layout)
+    if layout == "oi":
+      init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
+      self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), param_dtype))
+    else:
+      init = nnx.initializers.lecun_normal(in_axis=0, out_axis=1)
+      self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
     self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
     self.dtype = dtype
+    self.layout = layout
+
+  @property
+  def matrix(self) -> nnx.Param:
+    """The parameter holding ``W`` in this module's layout."""
+    return getattr(self, PARAM_NAME[self.layout])
+
+  def matrix_OI(self) -> jax.Array:
+    """``W`` as ``[out, in]``, whatever the layout."""
+    w = self.matrix[...]
+    return w if self.layout == "oi" else w.T
 
   def __call__(self, x_xI: jax.Array) -> jax.Array:
-    y = project(x_xI, self.weight[...], self.dtype)
+    y = project(x_xI, self.matrix[...], self.dtype, layout=self.layout)
     if self.bias is None:
       return y
     return y + self.bias[...].astype(self.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def to_layout(model: nnx.Module, layout: str) -> nnx.Module:
+  """Store every ``Dense`` of ``model`` in ``layout`` (in place; returns ``model``). A
+  transposition of each matrix, once: the model computes the same function."""
+  _check_layout(layout)
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, Dense) and module.layout != layout:
+      w = module.matrix[...]
+      delattr(module, PARAM_NAME[module.layout])
+      setattr(module, PARAM_NAME[layout], nnx.Param(jnp.swapaxes(w, 0, 1)))
+      module.layout = layout
+  return model
 
 
 class Embed(nnx.Module):

@@ -77,10 +77,11 @@ def apply_rope(x_BTHE, cos_BTE, sin_BTE):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+               weight_layout: str | None = None):
     D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     linear = lambda i, o, bias: Dense(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
-                                      rngs=rngs)
+                                      rngs=rngs, layout=weight_layout)
     self.q_proj = linear(D, H * E, cfg.attention_bias)
     self.k_proj = linear(D, K * E, cfg.attention_bias)
     self.v_proj = linear(D, K * E, cfg.attention_bias)
@@ -106,10 +107,11 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+               weight_layout: str | None = None):
     D, F = cfg.hidden_size, cfg.intermediate_size
     linear = lambda i, o: Dense(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs)
+                                rngs=rngs, layout=weight_layout)
     self.gate_proj, self.up_proj, self.down_proj = linear(D, F), linear(D, F), linear(F, D)
 
   def __call__(self, x_BTD):
@@ -118,12 +120,15 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+               weight_layout: str | None = None):
     norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.input_layernorm = norm()
-    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                               weight_layout=weight_layout)
     self.post_attention_layernorm = norm()
-    self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                   weight_layout=weight_layout)
 
   def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend):
     attn_BTD, cache = self.self_attn(self.input_layernorm(x_BTD), cos_BTE, sin_BTE, mask_BTS,
@@ -137,10 +142,12 @@ class Llama(nnx.Module):
   """The base LLM. ``backend`` picks the attention implementation (``attention.BACKENDS``) and
   with it the KV cache's layout (``init_cache``);
   ``dtype`` the activations' and the KV cache's dtype, ``param_dtype`` the weights' (None: the
-  same)."""
+  same); ``weight_layout`` how projections store their matrices (``linear.LAYOUTS``; None:
+  ``linear.preferred_layout(param_dtype)``, the faster one on this platform)."""
 
   def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
-               backend: str = "xla", cache_layout: str | None = None, rngs: nnx.Rngs):
+               backend: str = "xla", cache_layout: str | None = None,
+               weight_layout: str | None = None, rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
     self.config = cfg
     self.dtype = dtype
@@ -149,12 +156,13 @@ class Llama(nnx.Module):
     self.cache_layout = cache_layout  # None: the backend's (only ``xla`` reads every layout)
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                         weight_layout=weight_layout)
                             for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
-                           param_dtype=param_dtype, rngs=rngs)
+                           param_dtype=param_dtype, rngs=rngs, layout=weight_layout)
 
   def embed(self, tokens):
     return self.embed_tokens(tokens)
@@ -179,7 +187,7 @@ class Llama(nnx.Module):
     """The output projection as ``[V, D]`` (the embedding table when they are tied)."""
     if self.config.tie_word_embeddings:
       return self.embed_tokens.embedding[...]
-    return self.lm_head.weight[...]
+    return self.lm_head.matrix_OI()
 
   def __call__(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None):
     hidden_BTD, cache = self.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
@@ -195,7 +203,8 @@ class Llama(nnx.Module):
 
 
 def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
-                   backend: str = "xla") -> Llama:
+                   backend: str = "xla", weight_layout: str | None = None) -> Llama:
   """A Llama with shape-only parameters (no memory, no random init), for loading weights into."""
   return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, param_dtype=param_dtype,
-                                      backend=backend, rngs=nnx.Rngs(0)))
+                                      backend=backend, weight_layout=weight_layout,
+                                      rngs=nnx.Rngs(0)))

@@ -17,6 +17,7 @@ import numpy as np
 
 from redrafter_jax.config import ConfigError, LlamaConfig, RopeScaling
 from redrafter_jax.models.attention import check_backend
+from redrafter_jax.models.linear import preferred_layout, to_layout
 from redrafter_jax.models.llama import Llama, abstract_llama, rope_inv_freq
 from redrafter_jax.weights.naming import NameTable, Rule, WeightsError
 from redrafter_jax.weights.params import load_into
@@ -219,6 +220,8 @@ def load_llama(source, *, dtype=jnp.float32, param_dtype=None, backend: str = "x
   if cfg.tie_word_embeddings:
     tensors.pop("lm_head.weight", None)  # some tied checkpoints also store the copy
   ours = HF_TABLE.import_arrays(tensors, ignore=_ignored)
-  model = load_into(abstract_llama(cfg, dtype=dtype, param_dtype=param_dtype, backend=backend),
+  # Loaded in the checkpoint's layout (so errors name its tensors), then stored the fast way.
+  model = load_into(abstract_llama(cfg, dtype=dtype, param_dtype=param_dtype, backend=backend,
+                                   weight_layout="oi"),
                     ours, dtype=param_dtype, source=str(path), sharding=sharding)
-  return model, cfg
+  return to_layout(model, preferred_layout(param_dtype)), cfg
