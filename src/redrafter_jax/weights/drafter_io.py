@@ -371,7 +371,8 @@ def _head_rows(fields: dict[str, Any], path: pathlib.Path) -> int:
 
 
 def read_drafter(path) -> tuple[str, str, DrafterConfig, dict[str, np.ndarray]]:
-  """``(format, layout name, config, {our name: array})`` of a drafter folder, fully checked.
+  """``(format, layout name, config, {our name: array})`` of a drafter folder, fully checked;
+  the arrays include ``token_ranking`` (``read_token_ranking``).
 
   A compact head (``head_rows`` in config.json) comes back full: its rows go to the ranked
   tokens they belong to and every other row is zero, the drafter that was saved."""
@@ -402,13 +403,14 @@ def read_drafter(path) -> tuple[str, str, DrafterConfig, dict[str, np.ndarray]]:
                        f"{fmt} drafter layout)")
   _check(tensors, table, cfg, str(weights), head_rows)
   arrays = table.import_arrays(tensors)
+  if head_rows and not (folder / RANKING_FILE).is_file():
+    raise WeightsError(f"{folder}: config.json says the head keeps only the {head_rows} "
+                       f"top-ranked tokens' rows, but there is no {RANKING_FILE} to say which")
+  arrays["token_ranking"] = ranking_V = read_token_ranking(folder, cfg.vocab_size)
   if head_rows:
-    if not (folder / RANKING_FILE).is_file():
-      raise WeightsError(f"{folder}: config.json says the head keeps only the {head_rows} "
-                         f"top-ranked tokens' rows, but there is no {RANKING_FILE} to say which")
     rows_CR = arrays[_head_name(cfg)]
     kernel_CV = np.zeros((cfg.exit_dim, cfg.vocab_size), rows_CR.dtype)
-    kernel_CV[:, read_token_ranking(folder, cfg.vocab_size)[:head_rows]] = rows_CR
+    kernel_CV[:, ranking_V[:head_rows]] = rows_CR
     arrays[_head_name(cfg)] = kernel_CV
   return fmt, table.name, cfg, arrays
 
@@ -416,7 +418,6 @@ def read_drafter(path) -> tuple[str, str, DrafterConfig, dict[str, np.ndarray]]:
 def load_drafter(path, *, dtype=jnp.float32) -> Drafter:
   """A ``Drafter`` from a folder in any supported format (detected from config and names)."""
   fmt, layout, cfg, arrays = read_drafter(path)
-  arrays = dict(arrays, token_ranking=read_token_ranking(path, cfg.vocab_size))
   drafter = load_into(abstract_drafter(cfg, dtype=dtype), arrays, dtype=dtype, source=str(path))
   log.info("loaded drafter from %s (%s layout; %s)", path, layout, _describe(cfg))
   return drafter
