@@ -37,7 +37,7 @@ test-fast: setup
 
 bench: fetch
 	$(PY) -m redrafter_jax.bench suite --prompts ../shared/data/spec_bench.jsonl --drafter shipped \
-	    --param-dtype bfloat16
+	    --param-dtype auto
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -339,3 +339,20 @@ def test_bench_decode_compares_weight_layouts_side_by_side(tiny, capsys):
     with pytest.raises(SystemExit):
       bench_decode.main(args + ["--weight-layouts", bad])
   assert "--weight-layouts: want distinct values" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("amx, dtype, want", [(True, "float32", "bfloat16"),
+                                              (False, "float32", "float32"),
+                                              (True, "bfloat16", "bfloat16")])
+def test_param_dtype_auto_follows_the_platform(tiny, monkeypatch, amx, dtype, want):
+  """``--param-dtype auto`` (what `make bench` passes) is the platform's faster weights with
+  float32 activations, and the activations' dtype otherwise; bfloat16 weights bring the float32
+  AR baseline."""
+  from redrafter_jax.models import linear
+
+  monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
+  monkeypatch.setattr(linear, "on_cpu", lambda: True)
+  o = suite.parse_args(quick_args(tiny, "unused") + ["--param-dtype", "auto", "--dtype", dtype])
+  assert o.param_dtype == want
+  keys = {m.key for m in suite.build_methods(o)}
+  assert (suite.FP32_AR in keys) == (want == "bfloat16" and dtype == "float32")

@@ -72,11 +72,36 @@ def test_presets_decode_like_the_shipped_drafter(name):
     assert getattr(got, key) == getattr(want, key), key
 
 
-def test_param_dtype_is_recorded_and_overridable(tmp_path, drafter_dir):
-  """The LLM weight precision the settings were measured with: the recorded one (the shipped
-  drafter's is bfloat16), an explicit one, or float32 without a record."""
+def test_param_dtype_is_recorded_and_overridable(tmp_path, drafter_dir, monkeypatch):
+  """The LLM weight precision the settings record: the recorded one, an explicit one, float32
+  without a record, and "auto" (the shipped drafter's) as the platform's faster weights."""
+  from redrafter_jax.models import linear
+
   (drafter_dir / "decode.json").write_text(json.dumps({**RECORDED, "param_dtype": "bfloat16"}))
   assert param_dtype_for(drafter_dir) == "bfloat16"
   assert param_dtype_for(drafter_dir, "float32") == "float32"
   assert param_dtype_for(tmp_path / "nowhere") == "float32"
-  assert param_dtype_for(resolve_drafter("shipped")) == "bfloat16"
+  assert json.loads((resolve_drafter("shipped") / "decode.json").read_text())["param_dtype"] == "auto"
+  for amx, want in ((True, "bfloat16"), (False, "float32")):
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
+    assert param_dtype_for(resolve_drafter("shipped")) == want == linear.preferred_param_dtype(
+        cpu=True)
+    assert param_dtype_for(drafter_dir, "auto") == want
+  assert linear.preferred_param_dtype(cpu=False) == "bfloat16"
+
+
+def test_unknown_recorded_param_dtype_is_a_clear_error(drafter_dir):
+  (drafter_dir / "decode.json").write_text(json.dumps({**RECORDED, "param_dtype": "fp8"}))
+  with pytest.raises(ValueError, match=r"decode.json: param_dtype must be one of .*'fp8'"):
+    param_dtype_for(drafter_dir)
+
+
+def test_amx_is_read_from_the_cpu_flags(tmp_path):
+  from redrafter_jax.models.linear import cpu_has_amx
+
+  info = tmp_path / "cpuinfo"
+  info.write_text("processor : 0\nflags : fpu avx512f avx512_bf16 amx_tile\n")
+  assert not cpu_has_amx(str(info))  # amx_tile alone is not the bf16 unit
+  info.write_text("processor : 0\nflags : fpu avx512f amx_bf16 amx_tile\n")
+  assert cpu_has_amx(str(info))
+  assert not cpu_has_amx(str(tmp_path / "missing"))

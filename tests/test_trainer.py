@@ -266,6 +266,22 @@ def test_resume_refuses_a_different_drafter(synthetic, tmp_path):
     trainer.train(changed, progress=False, export=False)
 
 
+def test_a_continued_run_scores_its_starting_drafter_first(synthetic, tmp_path):
+  """From ``init_drafter``, eval.csv starts with the starting drafter's held-out score (step 0),
+  which is the exported drafter of the run it continues; a resumed call does not repeat it."""
+  first = trainer.train(preset(synthetic, tmp_path / "a", num_steps=4, eval_shards=1,
+                               eval_every=2, eval_batches=2), progress=False)
+  p = preset(synthetic, tmp_path / "b", num_steps=4, eval_shards=1, eval_every=2,
+             eval_batches=2, init_drafter=str(first.drafter_dir))
+  rows = trainer.train(p, stop_after=2, progress=False).eval_history
+  assert [r["step"] for r in rows] == [0, 2]
+  want = {k: v for k, v in first.eval_history[-1].items() if k != "step"}
+  assert {k: v for k, v in rows[0].items() if k != "step"} == pytest.approx(want, rel=1e-5)
+  rows += trainer.train(p, progress=False).eval_history
+  assert [r["step"] for r in rows] == [0, 2, 4]
+  assert [int(r["step"]) for r in csv.DictReader(open(tmp_path / "b" / "eval.csv"))] == [0, 2, 4]
+
+
 def test_init_drafter_shape_mismatch_is_a_clear_error(synthetic, tmp_path):
   from redrafter_jax.config import DrafterConfig
   from redrafter_jax.models.drafter import init_drafter

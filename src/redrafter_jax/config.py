@@ -329,7 +329,8 @@ class TrainConfig:
   # (knowledge distillation; see losses.py). False is the reference loss.
   soft_targets: bool = False
   # Held-out evaluation: the last eval_shards shards of train.data are not trained on; every
-  # eval_every steps (0: only at the end) eval_batches batches of them are scored (eval.csv).
+  # eval_every steps (0: only at the end) eval_batches batches of them are scored (eval.csv);
+  # a run from init_drafter also scores its starting drafter, as step 0.
   eval_shards: int = 0
   eval_every: int = 0
   eval_batches: int = 8

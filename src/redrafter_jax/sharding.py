@@ -6,10 +6,11 @@ Mesh axes:
 
 Base LLM: q/k/v and gate/up projections are column-parallel (output features split over
 ``model``), o/down projections row-parallel (input features split), in either weight layout
-(``weight`` is (out, in), PyTorch's; ``kernel`` (in, out): ``models.linear``), so one attention block and one MLP each need a single all-reduce. The embedding
-table and an untied ``lm_head`` are split over the vocabulary (vocab-parallel logits; the
-embedding gather becomes a masked lookup plus all-reduce). Norm scales are replicated. A dimension that the axis does not divide stays
-replicated, so any mesh is correct for any model (just less sharded).
+(``weight`` is (out, in), PyTorch's; ``kernel`` (in, out): ``models.linear``), so one attention
+block and one MLP each need a single all-reduce. The embedding table and an untied ``lm_head``
+are split over the vocabulary (vocab-parallel logits; the embedding gather becomes a masked
+lookup plus all-reduce). Norm scales are replicated. A dimension that the axis does not divide
+stays replicated, so any mesh is correct for any model (just less sharded).
 
 The drafter is small and runs once per position on every data shard: it is replicated, and so
 is its optimizer state.
@@ -33,20 +34,21 @@ from redrafter_jax.config import ConfigError
 DATA, MODEL = "data", "model"
 
 # (regex on the dotted parameter path, spec); the first match wins, no match means replicated.
-LLAMA_RULES: tuple[tuple[str, P], ...] = (
-    (r"embed_tokens\.embedding$", P(MODEL, None)),
+# Projections as PyTorch stores them, ``weight`` [out, in] (``models.linear`` layout "oi").
+_WEIGHT_RULES: tuple[tuple[str, P], ...] = (
     (r"lm_head\.weight$", P(MODEL, None)),
     (r"self_attn\.(q|k|v)_proj\.weight$", P(MODEL, None)),
-    (r"self_attn\.(q|k|v)_proj\.bias$", P(MODEL)),
     (r"self_attn\.o_proj\.weight$", P(None, MODEL)),
     (r"mlp\.(gate|up)_proj\.weight$", P(MODEL, None)),
     (r"mlp\.down_proj\.weight$", P(None, MODEL)),
-    # The same projections stored [in, out] (``models.linear`` layout "io").
-    (r"lm_head\.kernel$", P(None, MODEL)),
-    (r"self_attn\.(q|k|v)_proj\.kernel$", P(None, MODEL)),
-    (r"self_attn\.o_proj\.kernel$", P(MODEL, None)),
-    (r"mlp\.(gate|up)_proj\.kernel$", P(None, MODEL)),
-    (r"mlp\.down_proj\.kernel$", P(MODEL, None)),
+)
+LLAMA_RULES: tuple[tuple[str, P], ...] = (
+    (r"embed_tokens\.embedding$", P(MODEL, None)),
+    (r"self_attn\.(q|k|v)_proj\.bias$", P(MODEL)),
+    *_WEIGHT_RULES,
+    # The same matrices stored [in, out] (layout "io", the parameter ``kernel``): axes swapped.
+    *((rule.replace(r"\.weight$", r"\.kernel$"), P(*reversed(spec)))
+      for rule, spec in _WEIGHT_RULES),
 )
 REPLICATED_RULES: tuple[tuple[str, P], ...] = ()
 

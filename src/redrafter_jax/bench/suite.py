@@ -134,9 +134,10 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--quick", action="store_true", help="~2-minute smoke run")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), help="the LLM's activations and "
                  "the drafter's dtype: default float32 (bf16 --gpu)")
-  p.add_argument("--param-dtype", choices=("float32", "bfloat16"),
+  p.add_argument("--param-dtype", choices=("float32", "bfloat16", "auto"),
                  help="the LLM's weights (default: --dtype); bfloat16 with float32 activations "
-                 "is the fast CPU setting, and adds our float32 AR as a baseline")
+                 "is the fast setting on CPUs with AMX, and adds our float32 AR as a baseline; "
+                 "auto: linear.preferred_param_dtype() with float32 activations, else --dtype")
   p.add_argument("--attention", choices=("xla", "cudnn", "pallas"),
                  help="default xla (cudnn with --gpu)")
   p.add_argument("--gpu", action="store_true", help="NVIDIA GPU preset: bf16, cudnn attention, "
@@ -151,6 +152,10 @@ def parse_args(argv) -> argparse.Namespace:
     if getattr(o, name) is None:
       setattr(o, name, value)
   o.dtype = o.dtype or ("bfloat16" if o.gpu else "float32")
+  if o.param_dtype == "auto":
+    from redrafter_jax.models.linear import preferred_param_dtype
+
+    o.param_dtype = preferred_param_dtype() if o.dtype == "float32" else o.dtype
   o.param_dtype = o.param_dtype or o.dtype
   o.attention = o.attention or ("cudnn" if o.gpu else "xla")
   o.beams = parse_beams(p, "--beams", o.beams)

@@ -4,7 +4,8 @@ Generates the answer to a few chat prompts twice, with plain AR greedy decoding 
 ReDrafter greedy decoding, and prints the text, both speeds and the tokens per step. Compilation
 is done (and excluded) first; greedy ReDrafter must print exactly the AR text, and says so.
 Both run the same model: by default the LLM's weights in the precision the drafter's settings
-were measured with (``decode.json``: bfloat16 weights, float32 activations for the shipped one).
+record (``decode.json``; the shipped one's "auto" picks the platform's faster weights,
+``linear.preferred_param_dtype``), activations in float32.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def add_arguments(p) -> None:
   p.add_argument("--token-budget", type=int, default=None,
                  help="tree tokens N (default: the drafter's own when W, L and lookup are its "
                  "own too, else the whole tree)")
-  p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
+  p.add_argument("--param-dtype", choices=("float32", "bfloat16", "auto"), default=None,
                  help="the LLM's weights (activations stay float32; default: the drafter's own "
-                 "measured setting, bfloat16 for the shipped one)")
+                 "setting; auto, the shipped one's, is bfloat16 on CPUs with AMX and on "
+                 "accelerators, float32 on other CPUs)")
   p.add_argument("--prompt", action="append", default=None,
                  help="a chat prompt (repeatable; default: three built-in ones)")
 

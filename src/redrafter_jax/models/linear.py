@@ -61,6 +61,29 @@ def preferred_layout(param_dtype, *, cpu: bool | None = None) -> str:
   return "io" if cpu and jnp.dtype(param_dtype) == jnp.float32 else "oi"
 
 
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+  """Whether the CPU has AMX's bf16 tile instructions (Linux reports the ``amx_bf16`` flag in
+  ``/proc/cpuinfo``; False where that file is missing, e.g. macOS)."""
+  try:
+    with open(cpuinfo) as f:
+      return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+  except OSError:
+    return False
+
+
+def preferred_param_dtype(*, cpu: bool | None = None, amx: bool | None = None) -> str:
+  """The LLM weight dtype (activations stay float32) that decodes fastest by default here.
+
+  On a CPU with AMX, bfloat16 weights take XLA:CPU's bf16 GEMM path, on which a verified tree
+  of a few tokens costs about one AR step; on a CPU without AMX that path is no faster, and
+  float32 weights in the ``io`` layout are the faster ones (README "Results" has both
+  measurements). Off the CPU, bfloat16 (half the bytes read per step)."""
+  cpu = on_cpu() if cpu is None else cpu
+  if not cpu:
+    return "bfloat16"
+  return "bfloat16" if (cpu_has_amx() if amx is None else amx) else "float32"
+
+
 def _check_layout(layout: str) -> None:
   if layout not in LAYOUTS:
     raise ValueError(f"unknown weight layout {layout!r}; choose one of {LAYOUTS}")

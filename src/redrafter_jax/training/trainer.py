@@ -337,6 +337,10 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
              disable=not (progress and is_main))
   history, meter = [], _Meter()
+  if evaluate is not None and cfg.init_drafter and start == 0 < end:
+    # The starting drafter's held-out score: the baseline a continued run has to beat.
+    eval_history.append(evaluate(0, state.params))
+    eval_log.write(eval_history[-1])
   for step in range(start + 1, end + 1):
     batch = sh.shard_batch(next(iterator), mesh, cfg.batch_size)
     state, metrics = step_fn(llm_state, state, batch)

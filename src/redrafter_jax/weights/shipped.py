@@ -58,12 +58,24 @@ def draft_vocab_for(path, requested: int | None = None) -> int:
   return int(decode_defaults(path).get("draft_vocab_size", 0))
 
 
+PARAM_DTYPES = ("float32", "bfloat16", "auto")
+
+
 def param_dtype_for(path, requested: str | None = None) -> str:
   """``requested`` if given, else the LLM weight dtype the drafter's settings were measured
-  with (its decode.json ``param_dtype``), else float32."""
-  if requested is not None:
-    return requested
-  return str(decode_defaults(path).get("param_dtype", "float32"))
+  with (its decode.json ``param_dtype``), else float32. "auto" (recorded or requested) is the
+  platform's faster one, ``linear.preferred_param_dtype()`` (bfloat16 on CPUs with AMX and off
+  the CPU, float32 on other CPUs). Raises ``ValueError`` for any other recorded value."""
+  value = requested if requested is not None else decode_defaults(path).get("param_dtype",
+                                                                          "float32")
+  if value not in PARAM_DTYPES:
+    raise ValueError(f"{pathlib.Path(path) / 'decode.json'}: param_dtype must be one of "
+                     f"{PARAM_DTYPES}, got {value!r}")
+  if value == "auto":
+    from redrafter_jax.models.linear import preferred_param_dtype
+
+    return preferred_param_dtype()
+  return value
 
 
 def recommended_config(path, *, beam_width: int | None = None, beam_length: int | None = None,
