@@ -341,16 +341,16 @@ def test_bench_decode_compares_weight_layouts_side_by_side(tiny, capsys):
   assert "--weight-layouts: want distinct values" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("amx, dtype, want", [(True, "float32", "bfloat16"),
+@pytest.mark.parametrize("bf16, dtype, want", [(True, "float32", "bfloat16"),
                                               (False, "float32", "float32"),
                                               (True, "bfloat16", "bfloat16")])
-def test_param_dtype_auto_follows_the_platform(tiny, monkeypatch, amx, dtype, want):
+def test_param_dtype_auto_follows_the_platform(tiny, monkeypatch, bf16, dtype, want):
   """``--param-dtype auto`` (what `make bench` passes) is the platform's faster weights with
   float32 activations, and the activations' dtype otherwise; bfloat16 weights bring the float32
   AR baseline."""
   from redrafter_jax.models import linear
 
-  monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
+  monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: bf16)
   monkeypatch.setattr(linear, "on_cpu", lambda: True)
   o = suite.parse_args(quick_args(tiny, "unused") + ["--param-dtype", "auto", "--dtype", dtype])
   assert o.param_dtype == want

@@ -82,8 +82,8 @@ def test_param_dtype_is_recorded_and_overridable(tmp_path, drafter_dir, monkeypa
   assert param_dtype_for(drafter_dir, "float32") == "float32"
   assert param_dtype_for(tmp_path / "nowhere") == "float32"
   assert json.loads((resolve_drafter("shipped") / "decode.json").read_text())["param_dtype"] == "auto"
-  for amx, want in ((True, "bfloat16"), (False, "float32")):
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
+  for bf16, want in ((True, "bfloat16"), (False, "float32")):
+    monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: bf16)
     assert param_dtype_for(resolve_drafter("shipped")) == want == linear.preferred_param_dtype(
         cpu=True)
     assert param_dtype_for(drafter_dir, "auto") == want
@@ -96,12 +96,16 @@ def test_unknown_recorded_param_dtype_is_a_clear_error(drafter_dir):
     param_dtype_for(drafter_dir)
 
 
-def test_amx_is_read_from_the_cpu_flags(tmp_path):
-  from redrafter_jax.models.linear import cpu_has_amx
+def test_bf16_instructions_are_read_from_the_cpu_flags(tmp_path):
+  from redrafter_jax.models.linear import cpu_has_bf16_matmul
 
   info = tmp_path / "cpuinfo"
-  info.write_text("processor : 0\nflags : fpu avx512f avx512_bf16 amx_tile\n")
-  assert not cpu_has_amx(str(info))  # amx_tile alone is not the bf16 unit
-  info.write_text("processor : 0\nflags : fpu avx512f amx_bf16 amx_tile\n")
-  assert cpu_has_amx(str(info))
-  assert not cpu_has_amx(str(tmp_path / "missing"))
+  for flags, want in (("fpu avx2 avx512f amx_tile", False),  # AMX tiles alone: no bf16 unit
+                      ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True)):
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: avx512_bf16x\n")
+    assert cpu_has_bf16_matmul(str(info)) == want, flags
+  info.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # aarch64
+  assert cpu_has_bf16_matmul(str(info))
+  info.write_text("model name\t: bf16 avx512_bf16 in a name\nflags\t\t: fpu sse\n")
+  assert not cpu_has_bf16_matmul(str(info))
+  assert not cpu_has_bf16_matmul(str(tmp_path / "missing"))

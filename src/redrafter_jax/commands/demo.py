@@ -36,8 +36,8 @@ def add_arguments(p) -> None:
                  "own too, else the whole tree)")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16", "auto"), default=None,
                  help="the LLM's weights (activations stay float32; default: the drafter's own "
-                 "setting; auto, the shipped one's, is bfloat16 on CPUs with AMX and on "
-                 "accelerators, float32 on other CPUs)")
+                 "setting; auto, the shipped one's, is bfloat16 on accelerators and on CPUs "
+                 "with bf16 instructions, float32 on other CPUs)")
   p.add_argument("--prompt", action="append", default=None,
                  help="a chat prompt (repeatable; default: three built-in ones)")
 

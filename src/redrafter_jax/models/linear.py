@@ -61,27 +61,32 @@ def preferred_layout(param_dtype, *, cpu: bool | None = None) -> str:
   return "io" if cpu and jnp.dtype(param_dtype) == jnp.float32 else "oi"
 
 
-def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
-  """Whether the CPU has AMX's bf16 tile instructions (Linux reports the ``amx_bf16`` flag in
-  ``/proc/cpuinfo``; False where that file is missing, e.g. macOS)."""
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 (AVX512/AMX), Arm
+
+
+def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
+  """Whether the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16 on x86, BF16 on
+  Arm: Linux lists them in ``/proc/cpuinfo``; False where that file is missing, e.g. macOS)."""
   try:
     with open(cpuinfo) as f:
-      return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+      return any(line.split(":")[0].strip() in ("flags", "Features")
+                 and not BF16_CPU_FLAGS.isdisjoint(line.split(":", 1)[-1].split())
+                 for line in f)
   except OSError:
     return False
 
 
-def preferred_param_dtype(*, cpu: bool | None = None, amx: bool | None = None) -> str:
+def preferred_param_dtype(*, cpu: bool | None = None, bf16: bool | None = None) -> str:
   """The LLM weight dtype (activations stay float32) that decodes fastest by default here.
 
-  On a CPU with AMX, bfloat16 weights take XLA:CPU's bf16 GEMM path, on which a verified tree
-  of a few tokens costs about one AR step; on a CPU without AMX that path is no faster, and
-  float32 weights in the ``io`` layout are the faster ones (README "Results" has both
-  measurements). Off the CPU, bfloat16 (half the bytes read per step)."""
+  On a CPU with bf16 dot-product instructions, bfloat16 weights take XLA:CPU's bf16 GEMM path
+  and read half the bytes: AR and ReDrafter both ran faster with them than with float32 weights
+  (README "Results", an AVX512-BF16 EPYC and an AMX Xeon). Without such instructions bf16 math
+  is emulated, so float32. Off the CPU, bfloat16 (half the bytes read per step)."""
   cpu = on_cpu() if cpu is None else cpu
   if not cpu:
     return "bfloat16"
-  return "bfloat16" if (cpu_has_amx() if amx is None else amx) else "float32"
+  return "bfloat16" if (cpu_has_bf16_matmul() if bf16 is None else bf16) else "float32"
 
 
 def _check_layout(layout: str) -> None:

@@ -337,10 +337,16 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
              disable=not (progress and is_main))
   history, meter = [], _Meter()
+
+  def record_eval(step, params):
+    row = evaluate(step, params)
+    eval_log.write(row)
+    eval_history.append(row)
+    log.info("step %d held-out: loss %.3f, top-1 %s", step, row["loss"],
+             " ".join(f"{row[f'top1_{i + 1}']:.3f}" for i in range(cfg.num_draft_steps)))
+
   if evaluate is not None and cfg.init_drafter and start == 0 < end:
-    # The starting drafter's held-out score: the baseline a continued run has to beat.
-    eval_history.append(evaluate(0, state.params))
-    eval_log.write(eval_history[-1])
+    record_eval(0, state.params)  # the starting drafter: the baseline a continued run must beat
   for step in range(start + 1, end + 1):
     batch = sh.shard_batch(next(iterator), mesh, cfg.batch_size)
     state, metrics = step_fn(llm_state, state, batch)
@@ -360,11 +366,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     bar.update(1)
     if evaluate is not None and (step == cfg.num_steps
                                  or (cfg.eval_every and step % cfg.eval_every == 0)):
-      row = evaluate(step, state.params)
-      eval_log.write(row)
-      eval_history.append(row)
-      log.info("step %d held-out: loss %.3f, top-1 %s", step, row["loss"],
-               " ".join(f"{row[f'top1_{i + 1}']:.3f}" for i in range(cfg.num_draft_steps)))
+      record_eval(step, state.params)
     if step % cfg.checkpoint_every == 0 and step < cfg.num_steps:
       ckpt.save(step, state.as_dict(), iterator, config)
   bar.close()

@@ -64,8 +64,8 @@ PARAM_DTYPES = ("float32", "bfloat16", "auto")
 def param_dtype_for(path, requested: str | None = None) -> str:
   """``requested`` if given, else the LLM weight dtype the drafter's settings were measured
   with (its decode.json ``param_dtype``), else float32. "auto" (recorded or requested) is the
-  platform's faster one, ``linear.preferred_param_dtype()`` (bfloat16 on CPUs with AMX and off
-  the CPU, float32 on other CPUs). Raises ``ValueError`` for any other recorded value."""
+  platform's faster one, ``linear.preferred_param_dtype()`` (bfloat16 off the CPU and on CPUs
+  with bf16 instructions, float32 on other CPUs). Raises ``ValueError`` for any other recorded value."""
   value = requested if requested is not None else decode_defaults(path).get("param_dtype",
                                                                           "float32")
   if value not in PARAM_DTYPES:
