@@ -81,7 +81,8 @@ def test_param_dtype_is_recorded_and_overridable(tmp_path, drafter_dir, monkeypa
   assert param_dtype_for(drafter_dir) == "bfloat16"
   assert param_dtype_for(drafter_dir, "float32") == "float32"
   assert param_dtype_for(tmp_path / "nowhere") == "float32"
-  assert json.loads((resolve_drafter("shipped") / "decode.json").read_text())["param_dtype"] == "auto"
+  shipped = json.loads((resolve_drafter("shipped") / "decode.json").read_text())
+  assert shipped["param_dtype"] == "auto"
   for bf16, want in ((True, "bfloat16"), (False, "float32")):
     monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: bf16)
     assert param_dtype_for(resolve_drafter("shipped")) == want == linear.preferred_param_dtype(
@@ -94,6 +95,8 @@ def test_unknown_recorded_param_dtype_is_a_clear_error(drafter_dir):
   (drafter_dir / "decode.json").write_text(json.dumps({**RECORDED, "param_dtype": "fp8"}))
   with pytest.raises(ValueError, match=r"decode.json: param_dtype must be one of .*'fp8'"):
     param_dtype_for(drafter_dir)
+  with pytest.raises(ValueError, match=r"requested: param_dtype must be one of .*'fp16'"):
+    param_dtype_for(drafter_dir, "fp16")
 
 
 def test_bf16_instructions_are_read_from_the_cpu_flags(tmp_path):

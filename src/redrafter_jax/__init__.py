@@ -21,7 +21,6 @@ __all__ = [
     "DecodeConfig", "DecodeResult", "Drafter", "DrafterConfig", "Llama", "LlamaConfig", "Preset",
     "ReDrafter", "TrainConfig", "UserError", "decode", "encode", "generate", "load_drafter",
     "load_llama", "load_preset", "load_tokenizer", "param_dtype_for", "recommended_config",
-    "resolve_drafter",
-    "save_drafter", "stop_token_ids",
+    "resolve_drafter", "save_drafter", "stop_token_ids",
 ]
 __version__ = "0.1.0"

@@ -136,9 +136,9 @@ def parse_args(argv) -> argparse.Namespace:
                  "the drafter's dtype: default float32 (bf16 --gpu)")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16", "auto"),
                  help="the LLM's weights (default: --dtype); bfloat16 with float32 activations "
-                 "is the fast setting on CPUs with bf16 instructions, and adds our float32 AR as a "
-                 "baseline; "
-                 "auto: linear.preferred_param_dtype() with float32 activations, else --dtype")
+                 "is the fast setting on CPUs with bf16 instructions, and adds our float32 AR as "
+                 "a baseline; auto: linear.preferred_param_dtype() with float32 activations, "
+                 "else --dtype")
   p.add_argument("--attention", choices=("xla", "cudnn", "pallas"),
                  help="default xla (cudnn with --gpu)")
   p.add_argument("--gpu", action="store_true", help="NVIDIA GPU preset: bf16, cudnn attention, "

@@ -65,12 +65,14 @@ def param_dtype_for(path, requested: str | None = None) -> str:
   """``requested`` if given, else the LLM weight dtype the drafter's settings were measured
   with (its decode.json ``param_dtype``), else float32. "auto" (recorded or requested) is the
   platform's faster one, ``linear.preferred_param_dtype()`` (bfloat16 off the CPU and on CPUs
-  with bf16 instructions, float32 on other CPUs). Raises ``ValueError`` for any other recorded value."""
-  value = requested if requested is not None else decode_defaults(path).get("param_dtype",
-                                                                          "float32")
+  with bf16 instructions, float32 on other CPUs). Raises ``ValueError`` for any other value."""
+  if requested is not None:
+    value, source = requested, "requested"
+  else:
+    value = decode_defaults(path).get("param_dtype", "float32")
+    source = pathlib.Path(path) / "decode.json"
   if value not in PARAM_DTYPES:
-    raise ValueError(f"{pathlib.Path(path) / 'decode.json'}: param_dtype must be one of "
-                     f"{PARAM_DTYPES}, got {value!r}")
+    raise ValueError(f"{source}: param_dtype must be one of {PARAM_DTYPES}, got {value!r}")
   if value == "auto":
     from redrafter_jax.models.linear import preferred_param_dtype
 
