@@ -58,7 +58,7 @@ def test_unknown_layout_is_a_clear_error():
     kvc.init(1, 1, 4, 1, 1, layout="SEK")
 
 
-def test_write_commit_and_put_row_agree_across_layouts():
+def test_write_commit_and_put_rows_agree_across_layouts():
   """The same writes and commits leave the same [B, K, S, E] contents in every layout (with
   writes running past the cache's end dropped) and differ from doing nothing."""
   rng = np.random.default_rng(1)
@@ -72,32 +72,41 @@ def test_write_commit_and_put_row_agree_across_layouts():
       cache = kvc.write_layer(cache, layer, new_BTKE * (layer + 1), -new_BTKE)
     written = _as_BKSE(cache)
     cache = kvc.commit(cache, path_BA, jnp.array([3, 1, 2]))
-    row = kvc.init(2, 1, 16, 2, 4, layout=layout)
-    row = kvc.write_layer(row, 1, new_BTKE[:1] + 5, new_BTKE[:1] - 5)
-    cache = kvc.put_row(cache, 1, kvc.advance(row, jnp.array([8])))
+    committed = _as_BKSE(cache)
+    # Two prefilled rows of 8 slots: the first into row 1, the second a padding row (index 3
+    # >= batch 3), written nowhere.
+    rows = kvc.init(2, 2, 8, 2, 4, layout=layout)
+    rows = kvc.write_layer(rows, 1, new_BTKE[:2] + 5, new_BTKE[:2] - 5)
+    cache = kvc.put_rows(cache, jnp.array([1, 3]), kvc.advance(rows, jnp.array([8, 7])))
     results[layout] = (written, _as_BKSE(cache), np.asarray(cache.lengths_B))
     assert not np.array_equal(before[0], written[0])
+    # Only row 1's first 8 slots changed: rows 0 and 2, and row 1's slots 8.., are as committed.
+    for got, was in zip(results[layout][1], committed):
+      np.testing.assert_array_equal(got[[0, 2]], was[[0, 2]], err_msg=layout)
+      np.testing.assert_array_equal(got[1, :, 8:], was[1, :, 8:], err_msg=layout)
   ref = results["XES"]
   for layout in LAYOUTS:
     for got, want in zip(results[layout][0] + results[layout][1], ref[0] + ref[1]):
       np.testing.assert_array_equal(got, want, err_msg=layout)
-    np.testing.assert_array_equal(results[layout][2], [6, 8, 11])
+    np.testing.assert_array_equal(results[layout][2], [6, 8, 11])  # row 1: the put length
   # Spot-check the XES reference itself: row 2 (length 9) took new token 0..6 at slots 9..15
   # (7 past the end dropped), then committed path [0, 6] to slots 9, 10.
   k0 = ref[1][0]
   np.testing.assert_array_equal(k0[2, :, 9], np.asarray(new_BTKE[2, 0]))
   np.testing.assert_array_equal(k0[2, :, 10], np.asarray(new_BTKE[2, 6]))
-  # Row 1 is the one-row cache put there: its layer 1 holds the row's writes, layer 0 zeros.
+  # Row 1 holds the first prefilled row in its first 8 slots (layer 1 the row's writes, layer
+  # 0 zeros) and what it held before in the rest; rows 0 and 2 are as committed.
   np.testing.assert_array_equal(ref[1][2][1, :, :8],
                                 np.asarray(new_BTKE[0] + 5).transpose(1, 0, 2))
   np.testing.assert_array_equal(ref[1][3][1, :, :8],
                                 np.asarray(new_BTKE[0] - 5).transpose(1, 0, 2))
-  np.testing.assert_array_equal(ref[1][0][1], 0)
+  np.testing.assert_array_equal(ref[1][0][1, :, :8], 0)
 
 
-def test_put_row_rejects_another_layout():
-  with pytest.raises(kvc.CacheError, match="one-row cache of layout 'BKSE'"):
-    kvc.put_row(kvc.init(1, 2, 8, 1, 1, layout="BKSE"), 0, kvc.init(1, 1, 8, 1, 1))
+def test_put_rows_rejects_another_layout():
+  with pytest.raises(kvc.CacheError, match="put_rows: needs rows of layout 'BKSE'"):
+    kvc.put_rows(kvc.init(1, 2, 8, 1, 1, layout="BKSE"), jnp.array([0]),
+                     kvc.init(1, 1, 8, 1, 1))
 
 
 # --- attention: every layout, and the Pallas kernel -------------------------------------------

@@ -239,7 +239,7 @@ def test_write_places_each_row_and_head_at_its_own_slots():
 
 
 @pytest.mark.parametrize("layout", kvc.LAYOUTS)
-def test_take_and_put_rows_move_whole_rows_in_every_layout(layout):
+def test_take_and_put_rows_move_rows_in_every_layout(layout):
   B, S, K, E, L = 5, 8, 2, 4, 2
   cache = kvc.init(L, B, S, K, E, layout=layout)
   rng = np.random.default_rng(0)
@@ -268,3 +268,19 @@ def test_take_and_put_rows_move_whole_rows_in_every_layout(layout):
   other = kvc.init(L, 2, S, K, E, layout="BKSE" if layout != "BKSE" else "XES")
   with pytest.raises(kvc.CacheError, match="put_rows"):
     kvc.put_rows(cache, idx, other)
+  # The first W slots only: taken, changed and put back; the other slots stay as they were.
+  W = 5
+  part = kvc.take_rows(cache, idx, W)
+  assert part.size == W and part.batch == 2
+  for i in range(L):
+    for got, full in zip(kvc.to_BKSE(*part.layer(i), 2, layout),
+                         kvc.to_BKSE(*cache.layer(i), B, layout)):
+      np.testing.assert_array_equal(got, np.asarray(full)[[3, 0], :, :W])
+  out = kvc.put_rows(cache, idx, part.replace(k=tuple(k + 1 for k in part.k)))
+  for i in range(L):
+    new_k = np.asarray(kvc.to_BKSE(*out.layer(i), B, layout)[0])
+    old_k = np.asarray(kvc.to_BKSE(*cache.layer(i), B, layout)[0])
+    np.testing.assert_array_equal(new_k[[3, 0], :, :W], old_k[[3, 0], :, :W] + 1)
+    np.testing.assert_array_equal(new_k[[3, 0], :, W:], old_k[[3, 0], :, W:])
+  with pytest.raises(kvc.CacheError, match="take_rows: 9 slots"):
+    kvc.take_rows(cache, idx, S + 1)

@@ -106,10 +106,18 @@ def test_server_slot_batch_keeps_the_context(llm, drafter):
   batch = batch_lib.empty(CFG, jnp.float32, B, S, M, cfg.beam_length)
   stop = jnp.asarray([-1], jnp.int32)
   prompts = {2: PROMPTS[0], 0: PROMPTS[2]}
-  for slot, p in prompts.items():
-    tokens_1T = jnp.zeros((1, 16), jnp.int32).at[0, :len(p)].set(jnp.asarray(p))
-    batch, _ = batch_lib.admit(llm, batch, slot, tokens_1T, len(p), 0, 0, 0.0, 1.0, 0, M, stop,
-                               filtered=False)
+  # Both admitted in one call, with a padding row (slot B: written nowhere).
+  tokens_kT = np.zeros((3, 16), np.int32)
+  for i, p in enumerate(prompts.values()):
+    tokens_kT[i, :len(p)] = p
+  tokens_kT[2] = tokens_kT[0]
+  lengths = [len(p) for p in prompts.values()]
+  k = lambda v, dt: np.full(3, v, dt)
+  batch, _ = batch_lib.admit(llm, batch, np.asarray([*prompts, B], np.int32), tokens_kT,
+                             np.asarray(lengths + lengths[:1], np.int32), k(0, np.uint32),
+                             k(0, np.uint32), k(0, np.float32), k(1, np.float32), k(0, np.int32),
+                             k(M, np.int32), stop, k(False, bool))
+  assert np.asarray(batch.state.done_B).tolist() == [False, True, False]  # slot 1 still free
   greedy = jnp.int32(0)  # the sampling kind: every active request greedy
   spec = jax.jit(lambda b: batch_lib.spec_step(llm, drafter, b, stop, cfg, greedy))
   ar = jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, greedy))

@@ -70,6 +70,44 @@ def test_per_row_settings_and_extra_axes():
     np.testing.assert_allclose(probs[b], hf_probs(logits_BNV[b], t, k, p), atol=1e-6)
 
 
+# (temperature, top_k, top_p, logit scale, exact from 32 candidates of 512): top-k within
+# them; top-p reached within them (peaked logits); top-p needing more (flat logits); top-k
+# beyond them; no filter on the row.
+CANDIDATE_ROWS = [(1.0, 20, 1.0, 3.0, True), (0.8, 32, 0.9, 1.0, True),
+                  (1.0, 0, 0.8, 8.0, True), (1.0, 0, 0.99, 0.3, False),
+                  (1.0, 100, 0.9, 0.3, False), (0.7, 0, 1.0, 3.0, True)]
+
+
+def test_filter_from_candidates_is_exact_where_it_says_so(monkeypatch):
+  """The top-k/top-p filter from the largest values alone (``lax.top_k``) equals transformers'
+  warpers on every row it calls exact, and calls exact exactly the rows whose cut falls among
+  the candidates; ``target_logprobs`` equals the warpers on every row, whether all rows of a
+  call are exact (the candidate path) or some are not (the full sort)."""
+  Vb, C = 512, 32
+  rows = CANDIDATE_ROWS
+  logits = np.stack([random_logits(10 + i, (Vb,), scale=r[3]) for i, r in enumerate(rows)])
+  make = lambda rs: sampling.SamplingParams.make(len(rs), [r[0] for r in rs],
+                                                 [r[2] for r in rs], [r[1] for r in rs])
+  params = make(rows)
+  scaled = jnp.asarray(logits) / params.temperature_B[:, None]
+  cut, exact = sampling._candidate_cut(scaled, params.top_k_B[:, None], params.top_p_B[:, None],
+                                       C)
+  assert np.asarray(exact)[:, 0].tolist() == [r[4] for r in rows]
+  monkeypatch.setattr(sampling, "FILTER_CANDIDATES", C)
+  for i, (t, k, p, _, is_exact) in enumerate(rows):
+    want = hf_probs(logits[i:i + 1], t, k, p)
+    if is_exact:
+      np.testing.assert_allclose(np.asarray(jax.nn.softmax(cut[i:i + 1])), want, atol=1e-6)
+    assert (want > 0).sum() < Vb or (k, p) == (0, 1.0)
+  for subset in ([0, 1, 2, 5], list(range(len(rows)))):  # all exact; some not
+    got = np.exp(np.asarray(sampling.target_logprobs(jnp.asarray(logits[subset]),
+                                                     make([rows[i] for i in subset]),
+                                                     filtered=True)))
+    for j, i in enumerate(subset):
+      t, k, p = rows[i][:3]
+      np.testing.assert_allclose(got[j:j + 1], hf_probs(logits[i:i + 1], t, k, p), atol=1e-6)
+
+
 def test_unfiltered_path_equals_softmax():
   logits = random_logits(2, (2, V))
   params = sampling.SamplingParams.make(2, 0.5)

@@ -128,3 +128,38 @@ def test_sigterm_on_an_idle_server_exits_0():
   finally:
     if proc.poll() is None:
       proc.kill()
+
+
+def test_server_weights_follow_the_drafter_settings(tmp_path, monkeypatch):
+  """A server loads the LLM's weights in the dtype its drafter's settings were measured with
+  (decode.json; "auto" = the platform's faster one) unless the preset sets one; a bad recorded
+  value is a clear error; a random drafter leaves the preset's dtype."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from redrafter_jax.config import ConfigError, Preset
+  from redrafter_jax.models import linear
+  from redrafter_jax.serving import server
+  from redrafter_jax.weights.base_model import load_base_model
+
+  folder = tmp_path / "drafter"
+  folder.mkdir()
+  (folder / "decode.json").write_text('{"param_dtype": "bfloat16"}')
+  preset = Preset(drafter_path=str(folder))
+  assert server.serving_param_dtype(preset) == "bfloat16"
+  assert server.serving_param_dtype(dataclasses.replace(preset, param_dtype="float32")) == (
+      "float32")
+  assert server.serving_param_dtype(preset, random_drafter=True) is None
+  (folder / "decode.json").write_text('{"param_dtype": "auto"}')
+  for fastest in ("float32", "bfloat16"):
+    monkeypatch.setattr(linear, "preferred_param_dtype", lambda: fastest)
+    assert server.serving_param_dtype(preset) == fastest
+    assert server.serving_param_dtype(Preset(drafter_path="shipped")) == fastest
+    llm, _ = load_base_model("random:tiny", param_dtype="auto")
+    assert llm.param_dtype == jnp.dtype(fastest)
+  (folder / "decode.json").write_text('{"param_dtype": "fp8"}')
+  with pytest.raises(ConfigError, match="param_dtype must be one of"):
+    server.serving_param_dtype(preset)
+  with pytest.raises(ConfigError, match="drafter not found"):
+    server.serving_param_dtype(Preset(drafter_path=str(tmp_path / "missing")))

@@ -3,6 +3,7 @@ strings, cancellation, AR mode and a model sharded over 8 (fake) devices."""
 
 import dataclasses
 import queue
+import threading
 import time
 
 import jax
@@ -140,10 +141,11 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
   exactly ``decode()``'s tokens. A request alone runs on the 1-row bucket."""
   engine = self_engine
   buckets = engine._place.row_buckets()
-  fake = {(b, m, k): 0.01 if m == "ar" else 0.011 if b == 1 else 1.0
-          for b in buckets for m in policy.MODES for k in policy.KINDS}
+  fake = {(b, m, k, c): 0.01 if m == "ar" else 0.011 if b == 1 else 1.0
+          for b in buckets for m in policy.MODES for k in policy.KINDS
+          for c in engine._place.context_buckets()}
   before = engine.step_counts.copy()
-  engine.step_seconds = fake
+  engine.costs = policy.StepCosts(fake, min_seen=None)  # this table, whatever steps cost
   try:
     reqs = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]
     results, _ = run_concurrently(engine, reqs)
@@ -151,7 +153,7 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
     alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
     single = engine.step_counts - before - mixed
   finally:
-    engine.step_seconds = None
+    engine.costs = None
   for i, (r, m) in enumerate(zip(results, MAX_TOKENS)):
     assert r.token_ids == expected(reference[i], m), i
   assert alone.token_ids == expected(reference[2], 12)
@@ -159,6 +161,28 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
   assert mixed[1, "spec"] > 0 and mixed[4, "ar"] > 0
   assert set(single) == {(1, "spec")}
   assert alone.usage["speculative"]["accepted_tokens"] > 0
+
+
+def test_step_costs_are_read_at_the_context_a_step_reads(self_engine, reference):
+  """The cost table is per context bucket: with a tree that pays at context 32 only, a short
+  request alone runs tree steps and a long one (context 64) AR steps, both with decode()'s
+  tokens."""
+  engine = self_engine
+  assert engine._place.context_buckets() == (32, 64, 96)
+  fake = {(b, m, k, c): 0.01 if m == "ar" else 0.011 if c == 32 else 1.0
+          for b in engine._place.row_buckets() for m in policy.MODES for k in policy.KINDS
+          for c in engine._place.context_buckets()}
+  engine.costs = policy.StepCosts(fake, min_seen=None)
+  try:
+    counts = []
+    for i, m in ((0, 4), (2, 12)):  # 1 + 4 + scratch fits 32; 40 + 12 + scratch needs 64
+      before = engine.step_counts.copy()
+      got = engine.generate(GenerationRequest(PROMPTS[i], max_tokens=m))
+      assert got.token_ids == expected(reference[i], m), i
+      counts.append(set(engine.step_counts - before))
+  finally:
+    engine.costs = None
+  assert counts == [{(1, "spec")}, {(1, "ar")}], counts
 
 
 def test_seed_reproducible_regardless_of_batch(self_engine):
@@ -331,12 +355,12 @@ def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
   poison_prefill = GenerationRequest([7, 7, 7], max_tokens=10)
   poison_text = GenerationRequest(PROMPTS[1], max_tokens=24, stop=["POISON"])
 
-  real_admit = engine._place.admit
+  real_admission = engine._place.admission
 
-  def admit(slot, prompt, *args):
+  def admission(slot, prompt, *args):
     if prompt == [7, 7, 7]:
       raise OverflowError("injected prefill fault")
-    return real_admit(slot, prompt, *args)
+    return real_admission(slot, prompt, *args)
 
   class FaultyText(TextStream):
     def push(self, ids):
@@ -344,7 +368,7 @@ def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
         raise UnicodeDecodeError("utf-8", b"", 0, 1, "injected detokenizer fault")
       return super().push(ids)
 
-  monkeypatch.setattr(engine._place, "admit", admit)
+  monkeypatch.setattr(engine._place, "admission", admission)
   monkeypatch.setattr(engine_lib, "TextStream", FaultyText)
   errors_before = engine.metrics.requests.labels(finish_reason="error")._value.get()
   requests = normal[:3] + [poison_prefill, poison_text] + normal[3:]
@@ -368,6 +392,88 @@ def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
   assert engine.generate(normal[0]).token_ids == alone[0]
 
 
+def test_one_admission_call_equals_one_per_request(llm):
+  """Prompts prefilled together (one call, a padding row included) leave the slot batch as
+  prefilling each alone does, first tokens and sampled draws included, and the padding row
+  writes nowhere."""
+  from redrafter_jax.serving import batch as batch_lib
+
+  B, S, M, T = 4, 96, 24, 64
+  stop = jax.numpy.asarray([EOS], np.int32)
+  # (slot, prompt, seed, temperature, top_p, top_k, limit): greedy, sampled, top-k/top-p.
+  rows = [(3, PROMPTS[2], 7, 0.0, 1.0, 0, 24), (0, PROMPTS[6], 1 << 40 | 5, 1.0, 1.0, 0, 9),
+          (2, PROMPTS[10], 11, 0.7, 0.9, 5, 1)]
+
+  def admit(batch, rows, pad=0):
+    k = len(rows) + pad
+    rows = rows + [rows[0]] * pad
+    tokens = np.zeros((k, T), np.int32)
+    for i, r in enumerate(rows):
+      tokens[i, :len(r[1])] = r[1]
+    col = lambda j, dt: np.asarray([r[j] for r in rows], dt)
+    slots = np.asarray([r[0] for r in rows[:k - pad]] + [B] * pad, np.int32)
+    return batch_lib.admit(llm, batch, slots, tokens, np.asarray([len(r[1]) for r in rows]),
+                           col(2, np.uint64).astype(np.uint32),
+                           (col(2, np.uint64) >> 32).astype(np.uint32), col(3, np.float32),
+                           col(4, np.float32), col(5, np.int32), col(6, np.int32), stop,
+                           np.asarray([r[3] > 0 and (r[4] < 1 or r[5] > 0) for r in rows]))
+
+  empty = lambda: batch_lib.empty(LLM_CFG, np.float32, B, S, M, DCFG.beam_length)
+  together, first_k = admit(empty(), rows, pad=1)
+  alone, firsts = empty(), []
+  for r in rows:
+    alone, first = admit(alone, [r])
+    firsts.append(int(first[0]))
+  assert np.asarray(first_k)[:3].tolist() == firsts
+  leaves = jax.tree_util.tree_leaves_with_path(together)
+  for (path, got), want in zip(leaves, jax.tree.leaves(alone)):
+    if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
+      got, want = jax.random.key_data(got), jax.random.key_data(want)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+  state = together.state
+  assert np.asarray(state.done_B).tolist() == [False, True, True, False]  # slot 1 free; 2: limit 1
+  assert np.asarray(state.cache.lengths_B).tolist() == [len(PROMPTS[6]), 0, len(PROMPTS[10]),
+                                                        len(PROMPTS[2])]
+  assert not np.asarray(state.cache.k[0]).reshape(2, B, -1)[:, 1].any()  # the padding row: nowhere
+
+
+def test_waiting_prompts_of_one_bucket_are_prefilled_together(llm, tok, reference):
+  """While the engine is busy, requests that arrive queue up and are then admitted in calls of
+  one prompt bucket each (``Placement.group``), with outputs unchanged; ``prefill_tokens``
+  caps a call's padded tokens."""
+  cfg = dataclasses.replace(ECFG, prefill_tokens=64)
+  engine = Engine(llm, tok, testing.SelfDrafter(V), config=cfg, stop_ids=[EOS])
+  place = engine._place
+  assert [place.prefill_rows(T) for T in (16, 32, 64)] == [4, 2, 1]
+  adm = lambda slot, n: place.admission(slot, [3] * n, 0, 0.0, 1.0, 0, 4)
+  groups = place.group([adm(0, 3), adm(1, 40), adm(2, 20), adm(3, 9), adm(4, 30), adm(5, 1)])
+  assert [[a.slot for a in g] for g in groups] == [[0, 3, 5], [1], [2, 4]]
+  with pytest.raises(ValueError, match="1 to 2 prompts of one bucket"):
+    place.admit([adm(0, 20), adm(1, 20), adm(2, 20)])
+
+  release, calls = threading.Event(), []
+  real_admit = place.admit
+
+  def admit(group):
+    calls.append([a.slot for a in group])
+    if len(calls) == 1:  # hold the engine thread until every request is queued
+      assert release.wait(60)
+    return real_admit(group)
+
+  engine.start()
+  try:
+    place.admit = admit
+    idx = list(range(16))
+    reqs = [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in idx]
+    threading.Timer(0.5, release.set).start()
+    results, _ = run_concurrently(engine, reqs)
+  finally:
+    engine.stop()
+  assert [r.token_ids for r in results] == [expected(reference[i], MAX_TOKENS[i]) for i in idx]
+  assert sum(map(len, calls)) == 16 and max(map(len, calls)) > 1, calls
+
+
 def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, reference):
   """After ``warmup()`` requests of every prompt bucket and sampling mode (greedy, sampled,
   top-k/top-p) are served without a single new compile, and greedy ones still equal
@@ -377,11 +483,12 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
   assert engine.warmup() > 0
   assert engine._place.buckets() == [16, 32, 64]
   compiled = engine._place.compiled_programs()
-  # a prefill per prompt bucket; per row bucket (1, 2, 4) and context (32, 64): a tree step
-  # and an AR step
+  # a prefill per prompt bucket and admission rows (1, 2, 4: prefill_tokens 1024 holds 4
+  # prompts of 64); per row bucket (1, 2, 4) and context (32, 64): a tree step and an AR step
+  assert [engine._place.admission_rows(T) for T in (16, 32, 64)] == [[1, 2, 4]] * 3
   assert engine._place.row_buckets() == [1, 2, 4]
   assert engine._place.context_buckets() == (32, 64)
-  assert compiled == 3 + 3 * 2 * 2
+  assert compiled == 3 * 3 + 3 * 2 * 2
   greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
   sampled = [GenerationRequest(PROMPTS[i], max_tokens=4, temperature=0.8, top_p=p, top_k=k,
                                seed=i) for i, p, k in ((1, 1.0, 0), (4, 0.9, 0), (6, 1.0, 5))]

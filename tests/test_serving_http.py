@@ -369,10 +369,12 @@ def test_models_health_and_metrics(server, client):
     assert rate == pytest.approx(reached[d] / reached[d - 1])
 
 
-def test_small_load_test_all_complete(server, capsys):
-  """The load-test script against this server: 16 requests from 4 clients, none lost."""
+@pytest.mark.parametrize("chat", [False, True])
+def test_small_load_test_all_complete(server, capsys, chat):
+  """The load-test script against this server: 16 requests from 4 clients, none lost (raw
+  completions, or chat messages through the chat template)."""
   code = loadtest.main(["--url", server.url, "--requests", "16", "--concurrency", "4",
-                        "--max-tokens", "8", "--warmup", "0", "--json"])
+                        "--max-tokens", "8", "--warmup", "0", "--json"] + ["--chat"] * chat)
   out = capsys.readouterr().out
   report = json.loads(out[out.index("{\n"):])["server"]
   assert code == 0, out
@@ -385,14 +387,14 @@ def test_small_load_test_all_complete(server, capsys):
 
 def test_an_engine_fault_is_a_500_for_that_request_only(one_slot, monkeypatch):
   srv, engine = one_slot
-  real_admit = engine._place.admit
+  real_admission = engine._place.admission
 
-  def admit(slot, prompt, *args):
+  def admission(slot, prompt, *args):
     if prompt == encode(testing.word_tokenizer(V), "w9 w9 w9"):
       raise OverflowError("injected fault")
-    return real_admit(slot, prompt, *args)
+    return real_admission(slot, prompt, *args)
 
-  monkeypatch.setattr(engine._place, "admit", admit)
+  monkeypatch.setattr(engine._place, "admission", admission)
   poison = {**GOOD, "prompt": "w9 w9 w9"}
   r = _post(srv.url, "/v1/completions", poison)
   assert r.status_code == 500, r.text

@@ -20,30 +20,54 @@ def table(ar, spec, kind="greedy"):
           **{(b, "spec", kind): s for b, s in spec.items()}}
 
 
-def test_choose_follows_measured_costs():
+MODES = ("ar", "spec")
+
+
+def mode_at(b, costs, tps, kind="greedy", modes=MODES):
+  """The mode ``plan`` picks for ``b`` rows when only the ``b`` bucket is offered."""
+  bucket, mode = policy.plan(b, kind, costs, tps, modes, [b])
+  assert bucket == b
+  return mode
+
+
+def test_plan_picks_the_mode_with_the_most_tokens_per_second():
   # A tree step costs little more than an AR step at 1 row and 3x at 8 rows (token bound).
   costs = table(ar={1: 0.020, 2: 0.024, 4: 0.032, 8: 0.050},
                 spec={1: 0.025, 2: 0.036, 4: 0.060, 8: 0.150})
   tps = {"ar": 1.0, "spec": 1.8}
-  got = [policy.choose(b, "greedy", costs, tps, ("ar", "spec")) for b in (1, 2, 4, 8)]
   # rates: spec 72/50/30/12 vs ar 50/41.7/31.3/20 tokens/s per row
-  assert got == ["spec", "spec", "ar", "ar"]
+  assert [mode_at(b, costs, tps) for b in (1, 2, 4, 8)] == ["spec", "spec", "ar", "ar"]
   # Better acceptance moves the switch point up; worse acceptance makes AR win everywhere.
-  assert policy.choose(4, "greedy", costs, {"ar": 1.0, "spec": 2.2}, ("ar", "spec")) == "spec"
-  assert [policy.choose(b, "greedy", costs, {"ar": 1.0, "spec": 1.1}, ("ar", "spec"))
-          for b in (1, 2, 4, 8)] == ["ar"] * 4
+  assert mode_at(4, costs, {"ar": 1.0, "spec": 2.2}) == "spec"
+  assert [mode_at(b, costs, {"ar": 1.0, "spec": 1.1}) for b in (1, 2, 4, 8)] == ["ar"] * 4
   # A tie goes to AR (the cheaper program).
-  assert policy.choose(1, "greedy", table({1: 0.01}, {1: 0.02}), {"ar": 1.0, "spec": 2.0},
-                       ("ar", "spec")) == "ar"
+  assert mode_at(1, table({1: 0.01}, {1: 0.02}), {"ar": 1.0, "spec": 2.0}) == "ar"
 
 
-def test_choose_without_measurements_keeps_the_engines_mode():
+def test_plan_picks_a_larger_bucket_when_it_costs_less():
+  """On XLA:CPU the all-slots bucket gathers no rows and can cost less than a smaller one: 3
+  live rows then run on all 8 (for either mode); ties keep the smaller bucket."""
+  costs = table(ar={1: 0.040, 2: 0.070, 4: 0.150, 8: 0.080},
+                spec={1: 0.080, 2: 0.120, 4: 0.250, 8: 0.140})
+  tps = {"ar": 1.0, "spec": 2.0}
+  assert policy.plan(1, "greedy", costs, tps, MODES, [1, 2, 4, 8]) == (1, "ar")
+  assert policy.plan(3, "greedy", costs, tps, MODES, [1, 2, 4, 8]) == (8, "spec")
+  assert policy.plan(3, "greedy", costs, tps, ("ar",), [1, 2, 4, 8]) == (8, "ar")
+  assert policy.plan(2, "greedy", costs, {"ar": 1.0, "spec": 1.5}, MODES, [1, 2, 4, 8]) == (
+      2, "ar")
+  even = table(ar={2: 0.05, 4: 0.05}, spec={2: 0.10, 4: 0.10})  # all 0.05 s per token
+  assert policy.plan(2, "greedy", even, tps, MODES, [2, 4]) == (2, "ar")
+  with pytest.raises(ValueError, match="no rows bucket"):
+    policy.plan(9, "greedy", costs, tps, MODES, [1, 2, 4, 8])
+
+
+def test_plan_without_measurements_keeps_the_engines_mode():
   tps = {"ar": 1.0, "spec": 1.0}
-  assert policy.choose(8, "greedy", None, tps, ("ar", "spec")) == "spec"
+  assert policy.plan(3, "greedy", None, tps, MODES, [1, 2, 4, 8]) == (4, "spec")
   # The kind asked for was not measured: no guess.
   costs = table(ar={8: 0.01}, spec={8: 1.0}, kind="greedy")
-  assert policy.choose(8, "sampled", costs, tps, ("ar", "spec")) == "spec"
-  assert policy.choose(8, "greedy", costs, tps, ("ar",)) == "ar"
+  assert policy.plan(8, "sampled", costs, tps, MODES, [8]) == (8, "spec")
+  assert policy.plan(8, "greedy", costs, tps, ("ar",), [8]) == (8, "ar")
 
 
 def test_acceptance_estimate():
@@ -55,3 +79,27 @@ def test_acceptance_estimate():
   assert a.tokens_per_step == pytest.approx(2.5)
   assert a.table() == {"ar": 1.0, "spec": pytest.approx(2.5)}
   assert policy.kind_of(True, False) == "filtered" and policy.kind_of(False, True) == "greedy"
+
+
+def test_step_costs_follow_the_steps_served():
+  """Warm-up costs until a key has been served ``min_seen`` times, then the running average
+  of the served steps; per kind and context; ``min_seen`` None keeps the warm-up table."""
+  warm = {(8, "ar", "greedy", 512): 0.05, (8, "spec", "greedy", 512): 0.09,
+          (8, "ar", "greedy", 1024): 0.06, (8, "ar", "sampled", 512): 0.07}
+  costs = policy.StepCosts(warm, min_seen=3, alpha=0.5)
+  assert costs.table("greedy", 512) == {(8, "ar", "greedy"): 0.05, (8, "spec", "greedy"): 0.09}
+  for seconds in (0.2, 0.2):
+    costs.observe((8, "spec", "greedy", 512), seconds)
+  assert costs.table("greedy", 512)[8, "spec", "greedy"] == 0.09  # seen twice: not yet
+  costs.observe((8, "spec", "greedy", 512), 0.1)
+  assert costs.table("greedy", 512)[8, "spec", "greedy"] == pytest.approx(0.15)  # 0.2, then half way
+  assert costs.table("greedy", 1024) == {(8, "ar", "greedy"): 0.06}
+  assert costs.table("sampled", 512) == {(8, "ar", "sampled"): 0.07}
+  # With these costs and 1.8 tokens per tree step, the tree no longer pays at 8 rows.
+  assert policy.plan(8, "greedy", costs.table("greedy", 512), {"ar": 1.0, "spec": 1.8}, MODES,
+                     [8]) == (8, "ar")
+  frozen = policy.StepCosts(warm, min_seen=None)
+  for _ in range(10):
+    frozen.observe((8, "ar", "greedy", 512), 1.0)
+  assert frozen.table("greedy", 512) == {(8, "ar", "greedy"): 0.05, (8, "spec", "greedy"): 0.09}
+

@@ -27,16 +27,25 @@ PROMPT = [1, 2, 3, 4]
 JIT = pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 
 
+def _exact(rng, tree, logits, params, *, beam_length, filtered):
+  """``verify_exact`` on the target distribution of ``logits`` (as ``step.accept`` calls it)."""
+  logp = sampling.target_logprobs(logits, params, filtered=filtered)
+  return verify.verify_exact(rng, tree, logp, beam_length=beam_length)
+
+
+def _typical(rng, tree, beams, logits, params, *, eps, delta, filtered):
+  logp = sampling.target_logprobs(logits, params, filtered=filtered)
+  return verify.verify_typical(rng, tree, beams, logp, eps=eps, delta=delta)
+
+
 def rules(jitted: bool) -> types.SimpleNamespace:
   """``pack`` and the acceptance rules, plain or jitted (their static arguments static)."""
-  fns = dict(pack=tree_lib.pack, exact=verify.verify_exact, greedy=verify.verify_greedy,
-             typical=verify.verify_typical)
+  fns = dict(pack=tree_lib.pack, exact=_exact, greedy=verify.verify_greedy, typical=_typical)
   if jitted:
     fns = dict(pack=jax.jit(tree_lib.pack, static_argnums=1),
-               exact=jax.jit(verify.verify_exact, static_argnames=("beam_length", "filtered")),
+               exact=jax.jit(_exact, static_argnames=("beam_length", "filtered")),
                greedy=jax.jit(verify.verify_greedy, static_argnames=("beam_length",)),
-               typical=jax.jit(verify.verify_typical,
-                               static_argnames=("eps", "delta", "filtered")))
+               typical=jax.jit(_typical, static_argnames=("eps", "delta", "filtered")))
   return types.SimpleNamespace(**fns)
 
 

@@ -376,8 +376,10 @@ class Preset:
 
   model: str = "smollm2-135m"  # a known name (see weights.fetch) or a path to GGUF / HF folder
   dtype: str = "float32"  # the LLM's activations and KV cache (the drafter computes in it too)
-  # The LLM's weights (None: ``dtype``). bfloat16 with float32 activations: half the bytes per
-  # step and XLA:CPU's bf16 GEMM path, the fast CPU setting (``models/linear.py``).
+  # The LLM's weights (None: ``dtype``; a server takes its drafter's decode.json value then).
+  # bfloat16 with float32 activations: half the bytes per step and XLA:CPU's bf16 GEMM path,
+  # the fast setting on CPUs with bf16 instructions (``models/linear.py``); "auto": that one
+  # where it is faster, float32 elsewhere (``linear.preferred_param_dtype``).
   param_dtype: str | None = None
   drafter: Mapping[str, Any] | None = None  # DrafterConfig fields beyond vocab/hidden size
   drafter_path: str | None = None  # a trained drafter folder, or "shipped" (checkpoints/)
@@ -387,8 +389,8 @@ class Preset:
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
       raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-    if self.param_dtype not in (None, "float32", "bfloat16"):
-      raise ConfigError(f"param_dtype must be float32 or bfloat16 (or absent: dtype), got "
+    if self.param_dtype not in (None, "float32", "bfloat16", "auto"):
+      raise ConfigError(f"param_dtype must be float32, bfloat16 or auto (or absent: dtype), got "
                         f"{self.param_dtype!r}")
     if isinstance(self.decode, Mapping):
       object.__setattr__(self, "decode", DecodeConfig.from_dict(self.decode))

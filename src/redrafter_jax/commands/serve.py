@@ -25,6 +25,9 @@ def add_arguments(p):
   p.add_argument("--min-context-bucket", type=int, default=512,
                  help="steps read only a power-of-two bucket of the cache from this size up to "
                  "--max-context (each compiled at start-up); --max-context's value turns it off")
+  p.add_argument("--prefill-tokens", type=int, default=1024,
+                 help="padded prompt tokens one admission call prefills: waiting prompts of one "
+                 "length bucket are prefilled together up to this many (1: one per call)")
   p.add_argument("--max-tokens", type=int, default=512,
                  help="the largest max_tokens a request may ask for")
   p.add_argument("--default-max-tokens", type=int, default=None,
@@ -66,7 +69,7 @@ def run(args) -> int:
   server.use_compile_cache(args.compile_cache, args.devices)
   srv = server.build(
       preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
-      min_context_bucket=args.min_context_bucket,
+      min_context_bucket=args.min_context_bucket, prefill_tokens=args.prefill_tokens,
       default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
       speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
       devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,

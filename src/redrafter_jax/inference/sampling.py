@@ -54,19 +54,62 @@ def target_logprobs(logits_BxV: jax.Array, params: SamplingParams, *, filtered: 
   return jnp.where(expand(params.greedy_B), greedy_logp, logp)
 
 
+# The top-k/top-p filter first looks at this many candidates (``lax.top_k``, a partial sort);
+# the full vocabulary sort runs only when some row's kept set may reach past them.
+FILTER_CANDIDATES = 256
+
+
 def _top_k_top_p(scaled_xV, top_k_x1, top_p_x1):
-  V = scaled_xV.shape[-1]
-  sorted_xV = -jnp.sort(-scaled_xV, axis=-1)  # descending
-  rank_xV = jnp.arange(V).reshape((1,) * (scaled_xV.ndim - 1) + (V,))
-  in_top_k_xV = jnp.where(top_k_x1 > 0, rank_xV < top_k_x1, True)
+  """``scaled_xV`` with what top-k then top-p drop set to -inf. Exact in every case: from the
+  ``FILTER_CANDIDATES`` largest values when every row's cut falls among them (top-k at most
+  that many, or the top-p mass reached within them, or no filter on the row), else (for the
+  whole call: one ``lax.cond``) from a full sort."""
+  sorted_cut = lambda: _cut(scaled_xV, _threshold(-jnp.sort(-scaled_xV, axis=-1), top_k_x1,
+                                                 top_p_x1)[0])
+  if FILTER_CANDIDATES >= scaled_xV.shape[-1]:
+    return sorted_cut()
+  cut_xV, exact_x1 = _candidate_cut(scaled_xV, top_k_x1, top_p_x1, FILTER_CANDIDATES)
+  return jax.lax.cond(jnp.all(exact_x1), lambda: cut_xV, sorted_cut)
+
+
+def _candidate_cut(scaled_xV, top_k_x1, top_p_x1, C: int):
+  """The filter from the C largest values (``lax.top_k``, a partial sort), and for each row
+  whether that is exact: its cut falls among them (top-k in 1..C, or top-k off and top-p
+  dropping one of them) or it has no filter (top-k off, top-p 1)."""
+  cand_xC = jax.lax.top_k(scaled_xV, C)[0]  # descending, as a sort's first C
+  vocab_lse_x1 = jax.nn.logsumexp(scaled_xV, axis=-1, keepdims=True)
+  threshold_x1, kept_all_x1 = _threshold(cand_xC, top_k_x1, top_p_x1, vocab_lse_x1)
+  unfiltered_x1 = (top_k_x1 <= 0) & (top_p_x1 >= 1.0)
+  inside_x1 = ((top_k_x1 > 0) & (top_k_x1 <= C)) | ((top_k_x1 <= 0) & ~kept_all_x1)
+  threshold_x1 = jnp.where(unfiltered_x1, -jnp.inf, threshold_x1)
+  return _cut(scaled_xV, threshold_x1), unfiltered_x1 | inside_x1
+
+
+def _threshold(sorted_xC, top_k_x1, top_p_x1, vocab_lse_x1=None):
+  """The smallest value top-k then top-p keep, and whether all C values given were kept, from
+  the largest C values in descending order: all V, or the first C with ``vocab_lse_x1`` (the
+  whole vocabulary's log-mass: top-p's normaliser on rows where top-k is off)."""
+  C = sorted_xC.shape[-1]
+  rank_xC = jnp.arange(C).reshape((1,) * (sorted_xC.ndim - 1) + (C,))
+  in_top_k_xC = jnp.where(top_k_x1 > 0, rank_xC < top_k_x1, True)
   # top-p measures mass on what top-k kept, renormalised (the order transformers and vLLM use).
-  probs_xV = jax.nn.softmax(jnp.where(in_top_k_xV, sorted_xV, NEG_INF), axis=-1)
-  mass_before_xV = jnp.cumsum(probs_xV, axis=-1) - probs_xV
+  top_k_xC = jnp.where(in_top_k_xC, sorted_xC, NEG_INF)
+  if vocab_lse_x1 is None:
+    probs_xC = jax.nn.softmax(top_k_xC, axis=-1)
+  else:  # top-k within the C values (else the caller sorts): its mass is theirs
+    norm_x1 = jnp.where(top_k_x1 > 0, jax.nn.logsumexp(top_k_xC, axis=-1, keepdims=True),
+                        vocab_lse_x1)
+    probs_xC = jnp.exp(top_k_xC - norm_x1)
+  mass_before_xC = jnp.cumsum(probs_xC, axis=-1) - probs_xC
   # top_p >= 1 keeps everything top-k kept, even tails whose float mass rounds the sum past 1.
-  keep_xV = in_top_k_xV & ((mass_before_xV < top_p_x1) | (top_p_x1 >= 1.0))
-  keep_xV = keep_xV.at[..., 0].set(True)
+  keep_xC = in_top_k_xC & ((mass_before_xC < top_p_x1) | (top_p_x1 >= 1.0))
+  keep_xC = keep_xC.at[..., 0].set(True)
   # The smallest kept (sorted) value is the threshold; everything below it is dropped.
-  threshold_x1 = jnp.min(jnp.where(keep_xV, sorted_xV, jnp.inf), axis=-1, keepdims=True)
+  threshold_x1 = jnp.min(jnp.where(keep_xC, sorted_xC, jnp.inf), axis=-1, keepdims=True)
+  return threshold_x1, keep_xC[..., -1:]
+
+
+def _cut(scaled_xV, threshold_x1):
   return jnp.where(scaled_xV >= threshold_x1, scaled_xV, NEG_INF)
 
 

@@ -143,18 +143,26 @@ def accept(rng, beams: BeamOutput, tree: tree_lib.Tree, logits_BNV,
   so does ``cfg.acceptance == "greedy"`` (whose callers admit temperature 0 only)."""
   if greedy or cfg.acceptance == "greedy":
     return verify_lib.verify_greedy(tree, logits_BNV, beam_length=cfg.beam_length)
+  # The target distribution of every tree slot, for all rows in one batched pass (outside the
+  # per-row vmap below, where the top-k/top-p filter's candidate shortcut would turn into
+  # running both of its branches).
+  logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
   if per_row_keys(rng):  # each row decides alone, as a batch of one with its own key
     def row(key, one_row):
-      b, t, logits_1NV, p = jax.tree.map(lambda x: x[None], one_row)
-      return jax.tree.map(lambda x: x[0], accept(key, b, t, logits_1NV, p, cfg, filtered))
-    return jax.vmap(row)(rng, (beams, tree, logits_BNV, params))
+      b, t, logp_1NV = jax.tree.map(lambda x: x[None], one_row)
+      return jax.tree.map(lambda x: x[0], _sampled_rule(key, b, t, logp_1NV, cfg))
+    return jax.vmap(row)(rng, (beams, tree, logp_BNV))
+  return _sampled_rule(rng, beams, tree, logp_BNV, cfg)
+
+
+def _sampled_rule(rng, beams: BeamOutput, tree: tree_lib.Tree, logp_BNV,
+                  cfg: DecodeConfig) -> verify_lib.Verdict:
   if cfg.acceptance == "typical":
-    return verify_lib.verify_typical(rng, tree, beams, logits_BNV, params, eps=cfg.typical_eps,
-                                     delta=cfg.typical_delta, filtered=filtered)
+    return verify_lib.verify_typical(rng, tree, beams, logp_BNV, eps=cfg.typical_eps,
+                                     delta=cfg.typical_delta)
   if cfg.acceptance == "reference":
-    return verify_lib.verify_reference(rng, tree, beams, logits_BNV, params, filtered=filtered)
-  return verify_lib.verify_exact(rng, tree, logits_BNV, params, beam_length=cfg.beam_length,
-                                 filtered=filtered)
+    return verify_lib.verify_reference(rng, tree, beams, logp_BNV)
+  return verify_lib.verify_exact(rng, tree, logp_BNV, beam_length=cfg.beam_length)
 
 
 def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, hidden_BND,

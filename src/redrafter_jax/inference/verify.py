@@ -91,8 +91,7 @@ def _walk(tree: Tree, beam_length: int, accept_child):
   return jnp.stack(path, axis=1), num_B, drafted_BA, slot_B
 
 
-def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *,
-                 beam_length: int, filtered: bool) -> Verdict:
+def verify_exact(rng, tree: Tree, logp_BNV, *, beam_length: int) -> Verdict:
   """Exact tree rejection sampling (greedy rows: accept exactly the argmax continuation).
 
   The vocabulary-wide work is one batched pass: the target distribution of every tree slot at
@@ -100,9 +99,8 @@ def verify_exact(rng, tree: Tree, logits_BNV, params: sampling.SamplingParams, *
   the probability of its own token under its parent's distribution. The walk down the tree then
   reads ``[B, N]`` numbers per depth; only the final draw reads one vocabulary row per row.
   """
-  B, N, V = logits_BNV.shape
+  B, N, V = logp_BNV.shape
   keys = jax.random.split(rng, beam_length)
-  logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
   parent_BN = jnp.maximum(tree.parent_BN, 0)  # the root's parent is never read (not a child)
   # p_own_BN[b, n]: P(token of node n | its parent's context), the node's acceptance numerator.
   p_own_BN = jnp.exp(logp_BNV[jnp.arange(B)[:, None], parent_BN, tree.tokens_BN])
@@ -157,10 +155,9 @@ def _beam_verdict(tree: Tree, beams_BWL, best_B, num_B, next_B) -> Verdict:
   return _assemble(path_BA, num_B, drafted_BA, next_B)
 
 
-def verify_typical(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *, eps: float,
-                   delta: float, filtered: bool) -> Verdict:
+def verify_typical(rng, tree: Tree, beams: BeamOutput, logp_BNV, *, eps: float,
+                   delta: float) -> Verdict:
   """Medusa typical acceptance (lossy): accept x when p(x) > min(eps, delta * exp(-H(p)))."""
-  logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
   p_BNV = jnp.exp(logp_BNV)
   entropy_BN = -jnp.sum(jnp.where(p_BNV > 0, p_BNV * logp_BNV, 0.0), axis=-1)
   threshold_BN = jnp.minimum(eps, delta * jnp.exp(-entropy_BN))
@@ -176,13 +173,11 @@ def verify_typical(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *, ep
   return _beam_verdict(tree, beams_BWL, best_B, num_B, next_B)
 
 
-def verify_reference(rng, tree: Tree, beams: BeamOutput, logits_BNV, params, *,
-                     filtered: bool) -> Verdict:
+def verify_reference(rng, tree: Tree, beams: BeamOutput, logp_BNV) -> Verdict:
   """The reference's rule: per beam accept with min(1, P/Q), resample from relu(P - Q)."""
   if beams.full_logp_BWJV is None:
     raise ValueError("the reference rule needs beam_search(..., return_full=True)")
   key_u, key_s = jax.random.split(rng)
-  logp_BNV = sampling.target_logprobs(logits_BNV, params, filtered=filtered)
   parent_logp_BWLV = unpack(tree, logp_BNV)
   beams_BWL = beams.beams_BWL
   p_tok_BWJ = jnp.take_along_axis(parent_logp_BWLV[:, :, :-1], beams_BWL[:, :, 1:, None],

@@ -263,25 +263,6 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
                        lengths_B=cache.lengths_B + num_B.astype(jnp.int32))
 
 
-def put_row(cache: KVCache, slot, row: KVCache) -> KVCache:
-  """Write a one-row cache (a prefill of ``T <= size`` slots) into row ``slot`` of ``cache``,
-  in either's layout (they must match), with the row's length. For the server's admissions."""
-  if row.layout != cache.layout or row.batch != 1:
-    raise CacheError(f"put_row needs a one-row cache of layout {cache.layout!r}")
-  K = cache.num_kv_heads
-
-  def put(full, part):
-    if cache.layout == "XES":  # [K * B, ...] head-major: viewed as [K, B, ...], the row is axis 1
-      at = (0, slot) + (0,) * (full.ndim - 1)
-      return jax.lax.dynamic_update_slice(full.reshape(K, -1, *full.shape[1:]),
-                                          part.reshape(K, 1, *part.shape[1:]), at
-                                          ).reshape(full.shape)
-    return jax.lax.dynamic_update_slice(full, part.astype(full.dtype), (slot,) + (0,) * 3)
-
-  return cache.replace(k=tuple(map(put, cache.k, row.k)), v=tuple(map(put, cache.v, row.v)),
-                       lengths_B=cache.lengths_B.at[slot].set(row.lengths_B[0]))
-
-
 def _row_index(cache: KVCache, idx_b: jax.Array) -> jax.Array:
   """Leading-axis indices of rows ``idx_b`` in a cache array (XES: ``k * B + b``)."""
   if cache.layout != "XES":
@@ -290,20 +271,45 @@ def _row_index(cache: KVCache, idx_b: jax.Array) -> jax.Array:
   return (jnp.arange(K)[:, None] * B + idx_b[None, :]).reshape(-1)
 
 
-def take_rows(cache: KVCache, idx_b: jax.Array) -> KVCache:
-  """Rows ``idx_b`` (distinct) of ``cache`` as a cache of ``len(idx_b)`` rows, same layout."""
+def _slot_index(cache: KVCache, at: jax.Array, width: int, *, keys: bool) -> tuple:
+  """Index of leading-axis rows ``at`` and the first ``width`` slots of a k (or v) array."""
+  axis = {"XES": 2, "BSKE": 1, "BKSE": 2}[cache.layout] if keys else _SLOT_AXIS[cache.layout]
+  index = [slice(None)] * (3 if cache.layout == "XES" else 4)
+  index[0], index[axis] = at, slice(0, width)
+  return tuple(index)
+
+
+def take_rows(cache: KVCache, idx_b: jax.Array, width: int | None = None) -> KVCache:
+  """Rows ``idx_b`` (distinct) of ``cache`` as a cache of ``len(idx_b)`` rows and their first
+  ``width`` slots (all when None), same layout: a step that reads only ``width`` slots moves
+  only those."""
   at = _row_index(cache, idx_b)
-  return cache.replace(k=tuple(k[at] for k in cache.k), v=tuple(v[at] for v in cache.v),
+  width = cache.size if width is None else width
+  if not 0 < width <= cache.size:
+    raise CacheError(f"take_rows: {width} slots of a cache of {cache.size}")
+  return cache.replace(k=tuple(k[_slot_index(cache, at, width, keys=True)] for k in cache.k),
+                       v=tuple(v[_slot_index(cache, at, width, keys=False)] for v in cache.v),
                        lengths_B=cache.lengths_B[idx_b])
 
 
 def put_rows(cache: KVCache, idx_b: jax.Array, rows: KVCache) -> KVCache:
-  """``cache`` with rows ``idx_b`` replaced by ``rows`` (``take_rows``' inverse). A scatter on
-  the arrays as they are: no reshape, so a donated buffer is updated in place (XLA:CPU copies a
+  """``cache`` with the first T slots of rows ``idx_b`` replaced by ``rows`` (``b`` rows of
+  ``T <= size`` slots: ``take_rows``' inverse, or a prefill), lengths included; an index
+  ``>= batch`` writes nothing (a padding row of a bucketed admission). One scatter per array,
+  on the array as it is (no reshape), so a donated buffer is updated in place (XLA:CPU copies a
   whole buffer whose in-place update feeds a reshape)."""
-  if rows.layout != cache.layout:
-    raise CacheError(f"put_rows: rows in layout {rows.layout!r}, cache in {cache.layout!r}")
-  at = _row_index(cache, idx_b)
-  return cache.replace(k=tuple(f.at[at].set(r) for f, r in zip(cache.k, rows.k)),
-                       v=tuple(f.at[at].set(r) for f, r in zip(cache.v, rows.v)),
-                       lengths_B=cache.lengths_B.at[idx_b].set(rows.lengths_B))
+  b, T = rows.batch, rows.size
+  if rows.layout != cache.layout or idx_b.shape != (b,) or T > cache.size:
+    raise CacheError(f"put_rows: needs rows of layout {cache.layout!r} and at most "
+                     f"{cache.size} slots, one index per row; got layout {rows.layout!r}, "
+                     f"{T} slots, indices {idx_b.shape}")
+  B, K = cache.batch, cache.num_kv_heads
+  dropped = idx_b >= B
+  at = _row_index(cache, jnp.where(dropped, 0, idx_b))
+  xes = cache.layout == "XES"
+  at = jnp.where(jnp.tile(dropped, K) if xes else dropped, K * B if xes else B, at)
+  put = lambda full, part, keys: full.at[_slot_index(cache, at, T, keys=keys)].set(
+      part.astype(full.dtype), mode="drop")
+  return cache.replace(k=tuple(put(f, r, True) for f, r in zip(cache.k, rows.k)),
+                       v=tuple(put(f, r, False) for f, r in zip(cache.v, rows.v)),
+                       lengths_B=cache.lengths_B.at[idx_b].set(rows.lengths_B, mode="drop"))

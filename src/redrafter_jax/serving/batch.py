@@ -4,9 +4,10 @@
 limit. Four pure functions change it (the engine jits each once per static shape, donating the
 batch, so nothing of it makes a host round trip):
 
-  ``admit``     prefill one prompt (batch 1, length bucketed by the caller), choose its first
-                token with the request's own key, and write the row into a slot: cache row,
-                g0, h, output row, done flag, metrics row, sampling settings, key, limit.
+  ``admit``     prefill k prompts together (one length bucket, rows bucketed by the caller),
+                choose each first token with its request's own key, and write each row into
+                its slot: cache row, g0, h, output row, done flag, metrics row, sampling
+                settings, key, limit.
   ``release``   mark the rows whose request ended on the host done (they stop decoding);
   ``spec_step`` one ReDrafter step (``inference.step.step``) for every slot;
   ``ar_step``   one plain autoregressive step (the ReDrafter-off mode, and the steps where a
@@ -71,38 +72,45 @@ def request_key(seed_lo, seed_hi) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed_lo), seed_hi)
 
 
-def admit(llm: Llama, batch: SlotBatch, slot, tokens_1T, length, seed_lo, seed_hi, temperature,
-          top_p, top_k, limit, stop_ids, filtered) -> tuple[SlotBatch, jax.Array]:
-  """Prefill one prompt into ``slot``; returns the batch and the request's first token.
-  ``filtered`` (traced bool): the request uses top-k/top-p (one program serves both)."""
+def admit(llm: Llama, batch: SlotBatch, slots_k, tokens_kT, lengths_k, seed_lo_k, seed_hi_k,
+          temperature_k, top_p_k, top_k_k, limit_k, stop_ids, filtered_k
+          ) -> tuple[SlotBatch, jax.Array]:
+  """Prefill k prompts (one length bucket T, padded) into slots ``slots_k``; returns the batch
+  and each request's first token ``[k]``. A slot index ``>= B`` marks a padding row: it is
+  prefilled (the call's row count is bucketed) but written nowhere. ``filtered_k``: the row's
+  request uses top-k/top-p (the vocabulary sort runs only when some row does). Each row draws
+  its first token with its own request's key, so a request's tokens do not depend on which
+  others were admitted with it."""
   s = batch.state
   M = s.out.tokens_BM.shape[1]
-  T = tokens_1T.shape[1]
-  length_1 = jnp.reshape(length, (1,)).astype(jnp.int32)
-  logits_1V, h_1D, row_cache = prefill(llm, tokens_1T, length_1, llm.init_cache(1, T))
-  params_1 = sampling.SamplingParams.make(1, temperature, top_p, top_k)
-  rng, key = jax.random.split(request_key(seed_lo, seed_hi))
-  draw = lambda f: sampling.sample(key, sampling.target_logprobs(logits_1V, params_1, filtered=f))
-  g0_1 = jax.lax.cond(filtered, lambda: draw(True), lambda: draw(False))
-  out_1, done_1 = record(empty_output(1, M), jnp.zeros((1,), bool), g0_1[:, None],
-                         jnp.ones((1,), jnp.int32), stop_ids, M)
-  done_1 = done_1 | (limit <= 1)
+  k, T = tokens_kT.shape
+  lengths_k = lengths_k.astype(jnp.int32)
+  logits_kV, h_kD, rows = prefill(llm, tokens_kT, lengths_k, llm.init_cache(k, T))
+  params_k = sampling.SamplingParams.make(k, temperature_k, top_p_k, top_k_k)
+  rng_k2 = jax.vmap(lambda lo, hi: jax.random.split(request_key(lo, hi)))(seed_lo_k, seed_hi_k)
+  draw = lambda f: lambda: jax.vmap(lambda key, lp_V: sampling.sample(key, lp_V[None])[0])(
+      rng_k2[:, 1], sampling.target_logprobs(logits_kV, params_k, filtered=f))
+  plain_k = draw(False)()
+  g0_k = jax.lax.cond(filtered_k.any(),
+                      lambda: jnp.where(filtered_k, draw(True)(), plain_k), lambda: plain_k)
+  out_k, done_k = record(empty_output(k, M), jnp.zeros((k,), bool), g0_k[:, None],
+                         jnp.ones((k,), jnp.int32), stop_ids, M)
+  done_k = done_k | (limit_k <= 1)
 
-  # Only the prompt's T slots are written: slots past a row's length are never visible. The
-  # row's length (the prompt's, which prefill advanced it by) comes with it.
-  cache = kvc.put_row(s.cache, slot, row_cache)
-  put = lambda full, row: full.at[slot].set(row[0])
-  out = s.out.replace(tokens_BM=put(s.out.tokens_BM, out_1.tokens_BM),
-                      num_B=put(s.out.num_B, out_1.num_B),
-                      stopped_B=put(s.out.stopped_B, out_1.stopped_B))
-  metrics = jax.tree.map(lambda x: x.at[slot].set(0), s.metrics)
-  context_1S = step_lib.start_context(tokens_1T, length_1, g0_1, s.context_BS.shape[1])
-  state = s.replace(cache=cache, g0_B=put(s.g0_B, g0_1),
-                    context_BS=put(s.context_BS, context_1S),
-                    h_BD=put(s.h_BD, h_1D.astype(s.h_BD.dtype)), out=out,
-                    done_B=put(s.done_B, done_1), rng=s.rng.at[slot].set(rng), metrics=metrics)
-  params = jax.tree.map(put, batch.params, params_1)
-  return SlotBatch(state, params, batch.limit_B.at[slot].set(limit)), g0_1[0]
+  # Only the prompts' T slots are written: slots past a row's length are never visible. Each
+  # row's length (its prompt's, which prefill advanced it by) comes with it.
+  cache = kvc.put_rows(s.cache, slots_k, rows)
+  put = lambda full, part: full.at[slots_k].set(part.astype(full.dtype), mode="drop")
+  out = s.out.replace(tokens_BM=put(s.out.tokens_BM, out_k.tokens_BM),
+                      num_B=put(s.out.num_B, out_k.num_B),
+                      stopped_B=put(s.out.stopped_B, out_k.stopped_B))
+  metrics = jax.tree.map(lambda x: x.at[slots_k].set(0, mode="drop"), s.metrics)
+  context_kS = step_lib.start_context(tokens_kT, lengths_k, g0_k, s.context_BS.shape[1])
+  state = s.replace(cache=cache, g0_B=put(s.g0_B, g0_k), context_BS=put(s.context_BS, context_kS),
+                    h_BD=put(s.h_BD, h_kD), out=out, done_B=put(s.done_B, done_k),
+                    rng=s.rng.at[slots_k].set(rng_k2[:, 0], mode="drop"), metrics=metrics)
+  params = jax.tree.map(put, batch.params, params_k)
+  return SlotBatch(state, params, put(batch.limit_B, limit_k)), g0_k
 
 
 def _finish(batch: SlotBatch, old: step_lib.DecodeState, new: step_lib.DecodeState,

@@ -1,12 +1,14 @@
 """The serving engine: a fixed number of batch slots, continuous batching at step granularity.
 
 The engine owns one thread, the only one that touches JAX after start-up. Its loop:
-  1. move waiting requests into free slots (``batch.admit``: a batch-1 prefill at a bucketed
-     prompt length, written into the slot's row on the device; dispatched, not waited for);
-  2. dispatch one step for the occupied slots: on the smallest row bucket that holds them
-     (``rows``: the step costs what its rows cost, not what all slots cost), as a ReDrafter tree
-     step or a plain AR step, whichever gives more tokens per second at that many rows
-     (``policy``: step times measured at warm-up, acceptance observed while serving);
+  1. move waiting requests into free slots (``batch.admit``: the prompts of one length bucket
+     prefilled together, up to ``prefill_tokens`` padded tokens per call, each written into its
+     slot's row on the device; dispatched, not waited for);
+  2. dispatch one step for the occupied slots: on a row bucket that holds them (``rows``: the
+     step costs what its rows cost, not what all slots cost), as a ReDrafter tree step or a
+     plain AR step: the bucket and mode giving them the most tokens per second (``policy``: step
+     times measured at warm-up and corrected by the steps served, acceptance observed while
+     serving);
   3. while that step runs, read the previous step's tokens (and the new requests' first tokens),
      turn them into text (``TextStream``: stop strings, partial characters), and hand events to
      each request's ``sink``. A request that ends (stop token, stop string, max_tokens,
@@ -60,6 +62,11 @@ class EngineConfig:
   speculative: bool = True  # False: plain autoregressive steps (for comparison)
   decode: DecodeConfig = DecodeConfig()  # beam width/length, acceptance rule, token budget
   min_bucket: int = 16  # prompts are padded to a power of two >= this (few compiles)
+  # Padded prompt tokens one admission call prefills: waiting prompts of one length bucket are
+  # prefilled together, up to this many tokens (a power-of-two number of them, at most
+  # ``slots``), so a burst of arrivals costs a few calls, not one per request; a longer prompt
+  # is prefilled alone. Each (bucket, rows) pair is a program compiled at warm-up.
+  prefill_tokens: int = 1024
   # Steps read only a context bucket of the cache (powers of two from this up to max_context,
   # each a compiled program): the smallest holding every live row's prompt + max_tokens.
   min_context_bucket: int = 512
@@ -76,7 +83,7 @@ class EngineConfig:
 
   def __post_init__(self):
     for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket",
-                 "min_context_bucket"):
+                 "min_context_bucket", "prefill_tokens"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ConfigError(f"serving: {name} must be an integer >= 1, got {getattr(self, name)!r}")
     if not isinstance(self.max_queue, int) or self.max_queue < 0:
@@ -137,6 +144,7 @@ class _InFlight:
   actives: list["_Active | None"]
   mode: str
   dispatched_at: float
+  key: tuple[int, str, str, int]  # (rows bucket, mode, sampling kind, context): its cost entry
 
 
 class Engine:
@@ -173,9 +181,12 @@ class Engine:
     self._slots: list[_Active | None] = [None] * config.slots
     self._stopping = threading.Event()
     self._thread: threading.Thread | None = None
-    self._firsts: list[tuple[int, _Active, object, float]] = []  # admitted, first token unread
+    # Admitted, first token unread: (slot, request, its call's first tokens, its row there, t0).
+    self._firsts: list[tuple[int, _Active, jax.Array, int, float]] = []
     self._last_collect = 0.0
-    self.step_seconds: dict[tuple[int, str, str], float] | None = None  # measured by warmup
+    # Seconds per step by (rows, mode, sampling kind, context): measured by ``warmup``, then
+    # corrected by the steps served.
+    self.costs: policy_lib.StepCosts | None = None
     self.acceptance = policy_lib.Acceptance(config.prior_tokens_per_step or
                                             float(config.decode.beam_length))
     self.step_counts: collections.Counter = collections.Counter()  # steps by (rows, mode)
@@ -194,14 +205,18 @@ class Engine:
     if self._thread is not None:
       raise RuntimeError("warmup() runs before start(): only the engine thread touches JAX then")
     t0 = time.perf_counter()
-    costs = self._place.warmup()
+    # Only greedy batches switch modes unless ``adaptive_sampled``: time the other kinds then.
+    kinds = policy_lib.KINDS if self.config.adaptive_sampled else ("greedy",)
+    costs = self._place.warmup(kinds=kinds)
     if self.config.adaptive:
-      self.step_seconds = costs
+      self.costs = policy_lib.StepCosts(costs)
     seconds = time.perf_counter() - t0
-    log.info("warm-up: compiled %d prompt buckets and steps for %s rows x modes %s (then timed "
-             "each for 3 sampling kinds) in %.1f s", len(self._place.buckets()),
-             self._place.row_buckets(), self._place.modes(), seconds)
-    log.info("step seconds (rows, mode, kind): %s",
+    log.info("warm-up: compiled %d admissions (prompt buckets x rows) and steps for %s rows x "
+             "modes %s x contexts %s (then timed each for sampling kinds %s) in %.1f s",
+             sum(len(self._place.admission_rows(T)) for T in self._place.buckets()),
+             self._place.row_buckets(), self._place.modes(), self._place.context_buckets(),
+             kinds, seconds)
+    log.info("step seconds (rows, mode, kind, context): %s",
              ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))
     return seconds
 
@@ -324,66 +339,80 @@ class Engine:
       handle = self._queue.get(timeout=0.05)
     except queue.Empty:
       return
-    self.metrics.queue_length.set(self._queue.qsize())
-    self._admit_one(handle, self._slots.index(None))
+    self._admit_waiting([handle])
 
-  def _admit_waiting(self) -> None:
-    while None in self._slots:
+  def _admit_waiting(self, taken: Sequence[Handle] = ()) -> None:
+    """Move waiting requests (``taken`` ones first) into free slots: each request's inputs are
+    converted on its own (a fault there fails it alone), then prefilled together with the
+    others of its prompt bucket (``Placement.group``), one dispatched call per group."""
+    handles = list(taken)
+    free = [slot for slot, a in enumerate(self._slots) if a is None]
+    while len(handles) < len(free):
       try:
-        handle = self._queue.get_nowait()
+        handles.append(self._queue.get_nowait())
       except queue.Empty:
         break
-      self.metrics.queue_length.set(self._queue.qsize())
-      self._admit_one(handle, self._slots.index(None))
     self.metrics.queue_length.set(self._queue.qsize())
+    ready = []
+    for handle in handles:
+      if handle.cancelled:
+        self._finish_cancelled(handle)
+        continue
+      req, slot = handle.request, free[len(ready)]
+      try:
+        ready.append((handle, self._place.admission(slot, req.prompt_ids, handle.seed,
+                                                    req.temperature, req.top_p, req.top_k,
+                                                    handle.max_tokens)))
+      except Exception as e:
+        log.exception("request %d: admission failed", handle.id)
+        self._admission_failed([handle], _fault_message(e))
+    adm_of = {id(a): h for h, a in ready}
+    for group in self._place.group([a for _, a in ready]):
+      members = [adm_of[id(a)] for a in group]
+      t0 = time.perf_counter()
+      try:
+        first_k = self._place.admit(group)
+      except Exception as e:
+        log.exception("requests %s: admission failed", [h.id for h in members])
+        self._admission_failed(members, _fault_message(e))
+        continue
+      for i, (handle, a) in enumerate(zip(members, group)):
+        self.metrics.prompt_tokens.inc(len(handle.request.prompt_ids))
+        active = _Active(handle, TextStream(self._decode_text, handle.request.stop))
+        self._slots[a.slot] = active
+        self._firsts.append((a.slot, active, first_k, i, t0))
+    self.metrics.active_slots.set(self.active_slots())
 
-  def _admit_one(self, handle: Handle, slot: int) -> None:
-    """Admit ``handle``; a fault in its prefill fails this request only (all active ones only
-    if the fault consumed the shared batch)."""
-    try:
-      self._admit(handle, slot)
-    except Exception as e:
-      log.exception("request %d: admission failed", handle.id)
-      self._admission_failed(handle, slot, _fault_message(e))
-
-  def _admission_failed(self, handle: Handle, slot: int, message: str) -> None:
-    if self._slots[slot] is not None and self._slots[slot].handle is handle:
-      self._fail_slot(slot, message)
-    else:
+  def _admission_failed(self, handles: Sequence[Handle], message: str) -> None:
+    """Fail requests whose admission failed (they hold no slot yet); all active ones too if
+    the failed call consumed the shared batch."""
+    for handle in handles:
       self.metrics.requests.labels(finish_reason="error").inc()
       self._emit(handle, Failed(message))
     if not self._place.batch_intact():
       self._fail_active(message)
       self._place.reset()
 
-  def _admit(self, handle: Handle, slot: int) -> None:
-    if handle.cancelled:
-      self._finish_cancelled(handle)
-      return
-    req = handle.request
-    t0 = time.perf_counter()
-    first = self._place.admit(slot, list(req.prompt_ids), handle.seed, req.temperature,
-                              req.top_p, req.top_k, handle.max_tokens)
-    self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-    active = _Active(handle, TextStream(self._decode_text, req.stop))
-    self._slots[slot] = active
-    self.metrics.active_slots.set(self.active_slots())
-    self._firsts.append((slot, active, first, t0))
-
   def _deliver_firsts(self) -> None:
     """Read the first tokens of the requests admitted since the last read (their prefills were
     dispatched before the step now in flight, so this waits for them alone)."""
     firsts, self._firsts = self._firsts, []
-    for slot, active, first, t0 in firsts:
+    read: dict[int, object] = {}
+    for slot, active, first_k, i, t0 in firsts:
       if self._slots[slot] is not active:  # failed meanwhile
         continue
       try:
-        token = int(jax.device_get(first))
+        if id(first_k) not in read:
+          read[id(first_k)] = jax.device_get(first_k)
+        token = int(read[id(first_k)][i])
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         self._deliver(slot, [token])
       except Exception as e:
         log.exception("request %d: its prefill or first token failed", active.handle.id)
-        self._admission_failed(active.handle, slot, _fault_message(e))
+        self._fail_slot(slot, _fault_message(e))
+        if not self._place.batch_intact():
+          self._fail_active(_fault_message(e))
+          self._place.reset()
 
   def _dispatch(self) -> _InFlight | None:
     """Dispatch one step for the occupied slots (cancelled requests end here first)."""
@@ -393,31 +422,33 @@ class Engine:
     live = [slot for slot, a in enumerate(self._slots) if a is not None]
     if not live:
       return None
-    b = policy_lib.bucket_for(len(live), self._place.row_buckets())
+    requests = [self._slots[slot].handle.request for slot in live]
+    filtered = any(r.temperature > 0 and (r.top_p < 1 or r.top_k > 0) for r in requests)
+    greedy = all(r.temperature <= 0 for r in requests)  # the argmax fast path (own program)
+    kind = policy_lib.kind_of(filtered, greedy)
+    # Attention reads the smallest context bucket that holds every live row to its limit
+    # (prompt + max_tokens + one step's scratch): an upper bound known at admission, so the
+    # steps already in flight (dispatched ahead) never outgrow it.
+    need = max(len(self._slots[slot].handle.request.prompt_ids) +
+               self._slots[slot].handle.max_tokens + self.config.scratch for slot in live)
+    need = min(need, self.config.max_context)
+    context = next(w for w in self._place.context_buckets() if w >= need)
+    costs = None
+    if self.costs is not None and (greedy or self.config.adaptive_sampled):
+      costs = self.costs.table(kind, context)
+    b, mode = policy_lib.plan(len(live), kind, costs, self.acceptance.table(),
+                              self._place.modes(), self._place.row_buckets())
     if b == self.config.slots:
       rows = list(range(b))
     else:
       rows = live + [slot for slot, a in enumerate(self._slots) if a is None][:b - len(live)]
     actives = [self._slots[slot] for slot in rows]
-    requests = [a.handle.request for a in actives if a is not None]
-    filtered = any(r.temperature > 0 and (r.top_p < 1 or r.top_k > 0) for r in requests)
-    greedy = all(r.temperature <= 0 for r in requests)  # the argmax fast path (own program)
-    kind = policy_lib.kind_of(filtered, greedy)
-    costs = self.step_seconds if greedy or self.config.adaptive_sampled else None
-    mode = policy_lib.choose(b, kind, costs, self.acceptance.table(), self._place.modes())
-    # Attention reads the smallest context bucket that holds every live row to its limit
-    # (prompt + max_tokens + one step's scratch): an upper bound known at admission, so the
-    # steps already in flight (dispatched ahead) never outgrow it.
-    need = max(len(a.handle.request.prompt_ids) + a.handle.max_tokens + self.config.scratch
-               for a in actives if a is not None)
-    need = min(need, self.config.max_context)
-    context = next(w for w in self._place.context_buckets() if w >= need)
     t0 = time.perf_counter()
     out = self._place.step(rows, [a is not None for a in actives], filtered, greedy, mode,
                            context)
     self.step_counts[b, mode] += 1
     self.context_counts[context] += 1
-    return _InFlight(out, rows, actives, mode, t0)
+    return _InFlight(out, rows, actives, mode, t0, (b, mode, kind, context))
 
   def _collect(self, step: _InFlight) -> None:
     """Wait for ``step`` and deliver its tokens to the requests still holding its rows."""
@@ -444,6 +475,8 @@ class Engine:
         self._fail_slot(slot, _fault_message(e))
     # Acceptance statistics count tree steps only (an AR step drafts nothing).
     self.metrics.observe_step(seconds, accepted if step.mode == self.mode_kind else [])
+    if self.costs is not None:
+      self.costs.observe(step.key, seconds)
     if step.mode == "spec":
       self.acceptance.observe(accepted)
 

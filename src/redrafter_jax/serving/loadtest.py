@@ -67,10 +67,12 @@ def check_loopback(url: str) -> str:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, timeout: float) -> Result:
+  """One streamed request (a chat completion when ``body`` has ``messages``)."""
   t0 = time.perf_counter()
   res = Result(ok=False)
+  route = "chat/completions" if "messages" in body else "completions"
   try:
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+    async with client.stream("POST", f"{url}/v1/{route}", json=body, timeout=timeout) as r:
       if r.status_code != 200:
         res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
         return res
@@ -85,7 +87,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, timeout: 
         if "error" in obj:
           res.error = obj["error"].get("message", "error")
           return res
-        if res.ttft is None and any(c.get("text") for c in obj.get("choices", ())):
+        if res.ttft is None and any(c.get("text") or (c.get("delta") or {}).get("content")
+                                    for c in obj.get("choices", ())):
           res.ttft = time.perf_counter() - t0
         usage = obj.get("usage")
         if usage:
@@ -105,7 +108,7 @@ MIXED_SAMPLING = dict(temperature=0.8, top_p=0.9, top_k=40)  # the top-k/top-p k
 
 async def _run(url: str, prompts: list[str], *, requests: int, concurrency: int,
                max_tokens: int, temperature: float, timeout: float, deadline: float,
-               mix_every: int = 0) -> dict:
+               mix_every: int = 0, chat: bool = False) -> dict:
   async with httpx.AsyncClient(timeout=timeout) as client:
     model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
     results: list[Result | None] = [None] * requests
@@ -113,9 +116,11 @@ async def _run(url: str, prompts: list[str], *, requests: int, concurrency: int,
 
     async def worker():
       for i in counter:
-        body = dict(model=model, prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
-                    temperature=temperature, seed=i, stream=True,
-                    stream_options={"include_usage": True})
+        text = prompts[i % len(prompts)]
+        body = dict(model=model, max_tokens=max_tokens, temperature=temperature, seed=i,
+                    stream=True, stream_options={"include_usage": True},
+                    **({"messages": [{"role": "user", "content": text}]} if chat else
+                       {"prompt": text}))
         if mix_every and i % mix_every == mix_every - 1:
           body.update(MIXED_SAMPLING)
         results[i] = await one_request(client, url, body, timeout)
@@ -149,14 +154,16 @@ def summarize(results: list[Result], requests: int, wall: float) -> dict:
 
 def run_load(url: str, *, requests: int = 64, concurrency: int = 16, max_tokens: int = 64,
              temperature: float = 0.0, prompts: list[str] | None = None, warmup: int | None = None,
-             timeout: float = 300.0, deadline: float = 1800.0, mix_every: int = 0) -> dict:
+             timeout: float = 300.0, deadline: float = 1800.0, mix_every: int = 0,
+             chat: bool = False) -> dict:
   """Warm up, then send ``requests`` streaming completions from ``concurrency`` clients (every
   ``mix_every``-th with top-k/top-p sampling, ``MIXED_SAMPLING``, instead; the warm-up
-  requests never are, so that kind's first use is measured)."""
+  requests never are, so that kind's first use is measured). ``chat``: each prompt is a user
+  message to ``/v1/chat/completions`` (the model's chat template), not a raw completion."""
   url = check_loopback(url)
   prompts = prompts or DEFAULT_PROMPTS
   kwargs = dict(concurrency=concurrency, max_tokens=max_tokens, temperature=temperature,
-                timeout=timeout, deadline=deadline)
+                timeout=timeout, deadline=deadline, chat=chat)
   warm = concurrency if warmup is None else warmup
   if warm:
     asyncio.run(_run(url, prompts, requests=warm, **kwargs))
@@ -258,7 +265,8 @@ def _load_kwargs(args) -> dict:
   prompts = read_prompts(args.prompts, args.prompt_limit) if args.prompts else None
   return dict(requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
               temperature=args.temperature, prompts=prompts, warmup=args.warmup,
-              timeout=args.request_timeout, deadline=args.deadline, mix_every=args.mix_every)
+              timeout=args.request_timeout, deadline=args.deadline, mix_every=args.mix_every,
+              chat=args.chat)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -276,6 +284,9 @@ def parser() -> argparse.ArgumentParser:
                  help="every K-th request samples with top-k/top-p (temperature 0.8, top_p 0.9, "
                       "top_k 40) instead; 0 = none (default)")
   p.add_argument("--prompts", default=None, help="JSON-lines file with a 'prompt' per line")
+  p.add_argument("--chat", action="store_true",
+                 help="send each prompt as a user message to /v1/chat/completions (the chat "
+                      "template) instead of a raw completion")
   p.add_argument("--prompt-limit", type=int, default=None)
   p.add_argument("--warmup", type=int, default=None,
                  help="unmeasured requests first (default: --concurrency)")
@@ -307,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
   else:
     reports = {"server": run_load(args.url, **_load_kwargs(args))}
   mix = f", every {args.mix_every}th top-k/top-p sampled" if args.mix_every else ""
+  mix += ", chat template" if args.chat else ""
   print(f"\n{args.requests} requests, {args.concurrency} concurrent clients, "
         f"max_tokens {args.max_tokens}, temperature {args.temperature}{mix}")
   print(format_reports(reports))

@@ -3,10 +3,10 @@
 The base LLM is split over the ``model`` axis of a device mesh (tensor parallel, the rules of
 ``sharding.py``); the drafter is replicated; the slot batch keeps its KV cache split over kv
 heads where the axis divides them, everything else replicated. On one device all of this is a
-no-op. Each call is jitted once per static shape (prompt bucket; step rows and mode) with the
-batch donated, so the batch never leaves the devices; only ``StepOut`` and the first token come
-back. The sampling kind (greedy, sampled, top-k/top-p) is a run-time argument of one program, so
-the heavy forward passes compile once per shape.
+no-op. Each call is jitted once per static shape (admission: prompt bucket and rows; step: rows,
+mode and context) with the batch donated, so the batch never leaves the devices; only
+``StepOut`` and the first tokens come back. The sampling kind (greedy, sampled, top-k/top-p) is
+a run-time argument of one program, so the heavy forward passes compile once per shape.
 """
 
 from __future__ import annotations
@@ -50,6 +50,22 @@ def prompt_bucket(n: int, minimum: int, maximum: int) -> int:
   return min(max(minimum, 1 << max(n - 1, 0).bit_length()), maximum)
 
 
+@dataclasses.dataclass(frozen=True)
+class Admission:
+  """One request's prefill inputs, converted to the dtypes the slot batch holds."""
+
+  slot: int
+  bucket: int  # padded prompt length (``prompt_bucket``)
+  tokens: np.ndarray  # int32 prompt ids
+  seed_lo: np.uint32
+  seed_hi: np.uint32
+  temperature: np.float32
+  top_p: np.float32
+  top_k: np.int32
+  limit: np.int32  # max_tokens
+  filtered: np.bool_  # uses top-k/top-p
+
+
 class Placement:
   """The device side of an ``Engine``: model state, slot batch and compiled steps."""
 
@@ -86,7 +102,7 @@ class Placement:
     self._out = (self._batch_sharding, repl)
     self._admit_fn = None
     self._step_fns: dict[tuple[int, str], object] = {}
-    self._seen: set[int] = set()
+    self._seen: set[tuple[int, int]] = set()  # (rows, bucket) admitted so far
 
   def _shardings(self, abstract_batch, num_kv_heads: int, layout: str):
     model = self.mesh.shape[sh.MODEL]
@@ -108,27 +124,29 @@ class Placement:
     return sorted({prompt_bucket(n, cfg.min_bucket, cfg.max_context)
                    for n in range(1, longest + 1)})
 
-  def warmup(self, timed_runs: int = 5) -> dict[tuple[int, str, str], float]:
+  def warmup(self, timed_runs: int = 5, kinds: Sequence[str] = policy_lib.KINDS
+             ) -> dict[tuple[int, str, str, int], float]:
     """Compile every program the server can meet by running each once: the prefill of each
-    prompt bucket and the step for each row bucket and mode (AR, tree); one program serves
-    every sampling kind (greedy, sampled, filtered). Each step and kind is then timed
-    (the median of ``timed_runs``); returns those seconds by (rows, mode, kind), the cost table of
-    ``policy.choose``. Then a fresh batch: serving never compiles."""
+    prompt bucket and admission row count, and the step for each row bucket, mode and context
+    bucket; one program serves every sampling kind (greedy, sampled, filtered). Then each step
+    is timed for each sampling kind in ``kinds`` (the median of ``timed_runs``) at each context
+    bucket, as a tree's cost relative to an AR step's changes with the context read; returns
+    those seconds by (rows, mode, kind, context), the cost table of ``policy.plan``. Then a
+    fresh batch: serving never compiles."""
     for T in self.buckets():
-      self.admit(0, [0] * T, 0, 0.0, 1.0, 0, 1)
+      for k in self.admission_rows(T):
+        self.admit([self.admission(slot, [0] * T, 0, 0.0, 1.0, 0, 1) for slot in range(k)])
     programs = [(b, mode, c) for b in self.row_buckets() for mode in self.modes()
                 for c in self.context_buckets()]
     for b, mode, c in programs:  # compile
       jax.block_until_ready(self.step(list(range(b)), [False] * b, False, True, mode, c))
-    # Timed at the largest context (the policy's costs are an upper bound for any context).
-    times = {(b, mode, kind): [] for b in self.row_buckets() for mode in self.modes()
-             for kind in policy_lib.KINDS}
+    times = {(b, mode, kind, c): [] for b, mode, c in programs for kind in kinds}
     for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
-      for b, mode, kind in times:
+      for b, mode, kind, c in times:
         t0 = time.perf_counter()
         jax.block_until_ready(self.step(list(range(b)), [False] * b, kind == "filtered",
-                                        kind == "greedy", mode))
-        times[b, mode, kind].append(time.perf_counter() - t0)
+                                        kind == "greedy", mode, c))
+        times[b, mode, kind, c].append(time.perf_counter() - t0)
     seconds = {key: float(np.median(t)) for key, t in times.items()}
     self.reset()
     return seconds
@@ -146,12 +164,46 @@ class Placement:
     """A fresh batch (all slots free), e.g. after a failed step left donated buffers behind."""
     self.batch = self._new_batch()
 
-  def admit(self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float,
-            top_k: int, max_tokens: int) -> jax.Array:
-    """Dispatch the prefill of ``prompt`` into ``slot``; returns the request's first token as a
-    device scalar, without waiting for it."""
-    cfg = self.config
+  def admission(self, slot: int, prompt: Sequence[int], seed: int, temperature: float,
+                top_p: float, top_k: int, max_tokens: int) -> Admission:
+    """One request's prefill inputs as the device arrays hold them (host work only: a value
+    that does not convert fails this request alone, before any batched call)."""
     filtered = temperature > 0 and (top_p < 1 or top_k > 0)
+    T = prompt_bucket(len(prompt), self.config.min_bucket, self.config.max_context)
+    return Admission(slot=slot, bucket=T, tokens=np.asarray(prompt, np.int32),
+                     seed_lo=np.uint32(seed & 0xFFFFFFFF), seed_hi=np.uint32(seed >> 32),
+                     temperature=np.float32(temperature), top_p=np.float32(top_p),
+                     top_k=np.int32(top_k), limit=np.int32(max_tokens),
+                     filtered=np.bool_(filtered))
+
+  def prefill_rows(self, bucket: int) -> int:
+    """The most prompts of length bucket ``bucket`` one admission call prefills: a power of two,
+    at most the slot count, with at most ``config.prefill_tokens`` padded tokens (at least 1)."""
+    fit = max(self.config.prefill_tokens // bucket, 1)
+    return min(policy_lib.row_buckets(self.config.slots)[-1], 1 << (fit.bit_length() - 1))
+
+  def admission_rows(self, bucket: int) -> list[int]:
+    """The row counts an admission call at ``bucket`` runs with (each a compiled program)."""
+    return [b for b in self.row_buckets() if b <= self.prefill_rows(bucket)]
+
+  def group(self, admissions: Sequence[Admission]) -> list[list[Admission]]:
+    """Admission calls for ``admissions``: one length bucket per call (in the order buckets
+    first appear), at most ``prefill_rows`` requests each."""
+    by_bucket: dict[int, list[Admission]] = {}
+    for a in admissions:
+      by_bucket.setdefault(a.bucket, []).append(a)
+    return [same[i:i + self.prefill_rows(T)] for T, same in by_bucket.items()
+            for i in range(0, len(same), self.prefill_rows(T))]
+
+  def admit(self, admissions: Sequence[Admission]) -> jax.Array:
+    """Dispatch one prefill of ``admissions`` (one ``group``: same bucket, at most
+    ``prefill_rows``) into their slots; returns their first tokens (device ``[k]``, padding
+    rows past ``len(admissions)``) without waiting for them."""
+    T = admissions[0].bucket
+    n = len(admissions)
+    if any(a.bucket != T for a in admissions) or not 1 <= n <= self.prefill_rows(T):
+      raise ValueError(f"an admission call takes 1 to {self.prefill_rows(T)} prompts of one "
+                       f"bucket, got {n} of buckets {sorted({a.bucket for a in admissions})}")
     if self._admit_fn is None:
       llm_def = self._llm_def
 
@@ -159,18 +211,22 @@ class Placement:
         return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args)
 
       self._admit_fn = jax.jit(admit, donate_argnums=(1,), out_shardings=self._out)
-    T = prompt_bucket(len(prompt), cfg.min_bucket, cfg.max_context)
-    if T not in self._seen:
-      self._seen.add(T)
-      log.info("first prompt of bucket %d: compiling its prefill", T)
-    tokens_1T = np.zeros((1, T), np.int32)
-    tokens_1T[0, :len(prompt)] = prompt
-    self.batch, first = self._admit_fn(
-        self.llm_state, self.batch, np.int32(slot), tokens_1T, np.int32(len(prompt)),
-        np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.float32(temperature),
-        np.float32(top_p), np.int32(top_k), np.int32(max_tokens), self.stop_ids,
-        np.bool_(filtered))
-    return first
+    k = policy_lib.bucket_for(n, self.admission_rows(T))
+    if (k, T) not in self._seen:
+      self._seen.add((k, T))
+      log.info("first admission of %d prompts of bucket %d: compiling its prefill", k, T)
+    rows = list(admissions) + [admissions[0]] * (k - n)  # padding: prefilled, written nowhere
+    tokens_kT = np.zeros((k, T), np.int32)
+    for i, a in enumerate(rows):
+      tokens_kT[i, :len(a.tokens)] = a.tokens
+    field = lambda name: np.stack([getattr(a, name) for a in rows])
+    slots_k = np.asarray([a.slot for a in admissions] + [self.config.slots] * (k - n), np.int32)
+    self.batch, first_k = self._admit_fn(
+        self.llm_state, self.batch, slots_k, tokens_kT,
+        np.asarray([len(a.tokens) for a in rows], np.int32), field("seed_lo"), field("seed_hi"),
+        field("temperature"), field("top_p"), field("top_k"), field("limit"), self.stop_ids,
+        field("filtered"))
+    return first_k
 
   def row_buckets(self) -> list[int]:
     """The sub-batch sizes a step runs on: powers of two below the slot count, and all slots."""
@@ -218,7 +274,8 @@ class Placement:
 
     def step(llm_state, drafter_state, batch, stop_ids, idx_b, live_b, kind):
       llm = nnx.merge(llm_def, llm_state)
-      sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b), live_b)
+      sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b, context),
+                              live_b)
       if mode == "spec":
         sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
                                        stop_ids, dcfg, kind, context=context)

@@ -3,7 +3,8 @@
 A ReDrafter step verifies a tree of N tokens per row; a plain AR step one. At batch 1 the tree
 is nearly free (the step is bound by reading the weights), so speculation pays; as the batch
 grows the step becomes bound by its token count and a tree costs more than the tokens it saves.
-The engine therefore picks, for every step, the mode with the most tokens per second per row:
+The engine therefore picks, for every step, the rows bucket (any that holds the live rows) and
+the mode with the most tokens per second per row:
 
     tokens_per_step[mode] / seconds[(rows bucket, mode, sampling kind)]
 
@@ -41,21 +42,26 @@ def kind_of(filtered: bool, greedy: bool) -> str:
   return "filtered" if filtered else "greedy" if greedy else "sampled"
 
 
-def choose(bucket: int, kind: str, seconds: Mapping[tuple[int, str, str], float] | None,
-           tokens_per_step: Mapping[str, float], modes: Sequence[str]) -> str:
-  """The mode in ``modes`` with the most tokens per second at ``bucket`` rows; with no
-  measurement (``seconds`` None or missing the bucket), the last mode (the engine's own: the
-  tree when it has a drafter). Ties go to the earlier mode (AR: the cheaper program)."""
-  if len(modes) == 1:
-    return modes[0]
-  if not seconds or any((bucket, m, kind) not in seconds for m in modes):
-    return modes[-1]
-  rate = lambda m: tokens_per_step[m] / max(seconds[bucket, m, kind], 1e-9)
-  best = modes[0]
-  for m in modes[1:]:
-    if rate(m) > rate(best):
-      best = m
-  return best
+def plan(rows: int, kind: str, seconds: Mapping[tuple[int, str, str], float] | None,
+         tokens_per_step: Mapping[str, float], modes: Sequence[str],
+         buckets: Sequence[int]) -> tuple[int, str]:
+  """The (rows bucket, mode) giving ``rows`` live rows the most tokens per second: any bucket
+  in ``buckets`` that holds them (a larger one can cost less: on XLA:CPU the all-slots bucket
+  gathers no rows) and any mode in ``modes``. With no measurement (``seconds`` None or missing
+  a candidate), the smallest bucket and the last mode (the engine's own: the tree when it has a
+  drafter). Ties go to the smaller bucket, then the earlier mode (AR: the cheaper program)."""
+  fits = sorted(b for b in buckets if b >= rows)
+  if not fits:
+    raise ValueError(f"no rows bucket in {sorted(buckets)} holds {rows} rows")
+  if not seconds or any((b, m, kind) not in seconds for b in fits for m in modes):
+    return fits[0], modes[-1]
+  best = None
+  for b in fits:
+    for m in modes:
+      cost = max(seconds[b, m, kind], 1e-9) / tokens_per_step[m]  # seconds per token per row
+      if best is None or cost < best[0]:
+        best = (cost, b, m)
+  return best[1], best[2]
 
 
 @dataclasses.dataclass
@@ -78,3 +84,31 @@ class Acceptance:
 
   def table(self) -> dict[str, float]:
     return {"ar": 1.0, "spec": self.tokens_per_step}
+
+
+@dataclasses.dataclass
+class StepCosts:
+  """Seconds per step by (rows, mode, sampling kind, context): those ``Engine.warmup`` measured,
+  each replaced by the steps actually served once ``min_seen`` of them were seen (an
+  exponential moving average, weight ``alpha``): under load a step costs more than it did alone
+  (the host's work and other requests' prefills share the machine), and not by the same factor
+  for every mode. ``min_seen`` None keeps the warm-up table (tests)."""
+
+  warm: Mapping[tuple[int, str, str, int], float]
+  min_seen: int | None = 4
+  alpha: float = 0.1
+  seen: dict = dataclasses.field(default_factory=dict)  # key -> (average seconds, steps)
+
+  def observe(self, key: tuple[int, str, str, int], seconds: float) -> None:
+    average, n = self.seen.get(key, (seconds, 0))
+    self.seen[key] = (average + max(self.alpha, 1.0 / (n + 1)) * (seconds - average), n + 1)
+
+  def table(self, kind: str, context: int) -> dict[tuple[int, str, str], float]:
+    """The costs ``plan`` reads for one sampling kind at one context bucket."""
+    out = {}
+    for (b, mode, k, c), warm in self.warm.items():
+      if k == kind and c == context:
+        average, n = self.seen.get((b, mode, k, c), (warm, 0))
+        out[b, mode, k] = average if self.min_seen is not None and n >= self.min_seen else warm
+    return out
+

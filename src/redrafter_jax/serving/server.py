@@ -61,6 +61,23 @@ def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool,
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
 
+def serving_param_dtype(preset: Preset, *, drafter_path: str | None = None,
+                        random_drafter: bool = False) -> str | None:
+  """The LLM weight dtype a server loads: the preset's ``param_dtype`` when it sets one, else
+  the one its drafter's settings were measured with (decode.json; "auto": the platform's faster
+  one), else None (the preset's ``dtype``). A ``--ar`` server resolves the same drafter, so a
+  ReDrafter-vs-AR comparison serves the same weights."""
+  path = None if random_drafter else (drafter_path or preset.drafter_path)
+  if preset.param_dtype is not None or path is None:
+    return preset.param_dtype
+  from redrafter_jax.weights.shipped import param_dtype_for, resolve_drafter
+
+  try:
+    return param_dtype_for(resolve_drafter(path))
+  except (FileNotFoundError, ValueError) as e:
+    raise ConfigError(str(e)) from None
+
+
 def use_compile_cache(path: str | None, devices: int | None = None) -> str | None:
   """Keep XLA's compiled programs in ``path`` (None: ``xla/`` in the model cache folder; "off":
   not at all), so a restarted server loads its warm-up programs instead of compiling them again.
@@ -87,7 +104,7 @@ def use_compile_cache(path: str | None, devices: int | None = None) -> str | Non
 
 
 def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
-          min_context_bucket: int = 512, max_tokens: int = 512,
+          min_context_bucket: int = 512, prefill_tokens: int = 1024, max_tokens: int = 512,
           default_max_tokens: int | None = None, max_queue: int = 64,
           speculative: bool = True, drafter_path: str | None = None,
           random_drafter: bool = False, devices: int | None = None,
@@ -103,18 +120,21 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
 
   mesh = serving_mesh(devices)
-  llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype)
+  param_dtype = serving_param_dtype(preset, drafter_path=drafter_path,
+                                    random_drafter=random_drafter)
+  llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=param_dtype)
   tok = load_base_tokenizer(preset.model)
   engine_config = EngineConfig(
       slots=slots, max_context=max_context or min(2048, llm_cfg.max_position_embeddings),
       max_tokens=max_tokens, default_max_tokens=default_max_tokens or preset.decode.max_new_tokens,
       max_queue=max_queue, speculative=speculative, decode=preset.decode,
-      min_context_bucket=min_context_bucket)
+      min_context_bucket=min_context_bucket, prefill_tokens=prefill_tokens)
   drafter = None
   if engine_config.speculative:
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
   engine = Engine(llm, tok, drafter, config=engine_config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
+  weights = jax.numpy.dtype(llm.param_dtype).name
   del llm, drafter  # the engine holds the placed copies
   if warmup:
     engine.warmup()
@@ -130,8 +150,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   log.info("API key: %s; CORS origins: %s; allowed Host names: %s",
            "required on /v1" if api_key else "none (open)", ", ".join(cors_origins) or "none",
            ", ".join(allowed_hosts) or "any")
-  log.info("serving %s (%s, %d slots, %d device(s) on the model axis)", name, engine.mode,
-           engine_config.slots, mesh.shape["model"])
+  log.info("serving %s (%s, %d slots, %d device(s) on the model axis, %s weights)", name,
+           engine.mode, engine_config.slots, mesh.shape["model"], weights)
   return Server(app, engine, name)
 
 

@@ -57,8 +57,12 @@ def is_random(spec: str) -> bool:
 def load_base_model(spec: str, *, dtype: str = "float32", param_dtype: str | None = None,
                     sharding=None) -> tuple[Llama, LlamaConfig]:
   """The base LLM for a model spec (known name, path, or ``random:<spec>``), with activations
-  in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``); ``sharding`` as for
-  ``load_llama``."""
+  in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``; "auto": the platform's faster
+  one, ``linear.preferred_param_dtype``); ``sharding`` as for ``load_llama``."""
+  if param_dtype == "auto":
+    from redrafter_jax.models.linear import preferred_param_dtype
+
+    param_dtype = preferred_param_dtype()
   for name, value in (("dtype", dtype), ("param_dtype", param_dtype or dtype)):
     if value not in DTYPES:
       raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {value!r}")
