@@ -318,6 +318,28 @@ def test_engine_serves_from_every_cache_layout(tok, random_drafter, reference, l
     engine.stop()
 
 
+def test_bf16_weights_serve_with_a_float32_draft_table(tok, random_drafter):
+  """With bfloat16 weights the server's drafter reads a float32 copy of the embedding table
+  (made once, not converted at every step) and serves decode()'s greedy tokens."""
+  llm = Llama(LLM_CFG, param_dtype=jax.numpy.bfloat16, rngs=nnx.Rngs(0))
+  idx = [0, 2, 6, 13, 4]
+  ref = decode(llm, random_drafter, [PROMPTS[i] for i in idx], DCFG, stop_ids=[EOS]).tokens
+  engine = Engine(llm, tok, random_drafter, config=ECFG, stop_ids=[EOS]).start()
+  try:
+    table = engine._place.draft_embed
+    assert table.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(table),
+                                  np.asarray(llm.embed_tokens.embedding[...], np.float32))
+    results, _ = run_concurrently(
+        engine, [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in idx])
+  finally:
+    engine.stop()
+  for j, (i, r) in enumerate(zip(idx, results)):
+    assert r.token_ids == expected(ref[j], MAX_TOKENS[i]), i
+  f32 = Engine(Llama(LLM_CFG, rngs=nnx.Rngs(0)), tok, random_drafter, config=ECFG, stop_ids=[EOS])
+  assert f32._place.draft_embed is None  # float32 weights: the LLM's own table
+
+
 def test_text_stream_partial_characters_and_stops():
   """Bytes as tokens: a multi-byte character waits for its last byte; stop strings split
   over pushes are cut, and text that might start a stop string is held back until clear."""

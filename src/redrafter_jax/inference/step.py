@@ -84,17 +84,22 @@ def start_context(tokens_BT, lengths_B, g0_B, size: int) -> jax.Array:
   return lookup.write(context_BS, lengths_B, g0_B[:, None], jnp.ones_like(lengths_B))
 
 
-def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig
-          ) -> tuple[BeamOutput, tree_lib.Tree]:
+def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig,
+          embed_VD: jax.Array | None = None) -> tuple[BeamOutput, tree_lib.Tree]:
   """Beams from the drafter (and the context lookup, when on), packed into a tree.
 
+  ``embed_VD``: the LLM's input embedding table for the drafter to read (default: the LLM's
+  own). A program that runs one step per call should pass it in the activations' dtype when
+  the weights are narrower: XLA converts the whole table before the beam-search loop, so a bf16
+  table costs a full conversion per call.
   Any NNX module with a ``propose(llm, state, cfg) -> BeamOutput`` method can stand in for the
   drafter: the tests use an oracle that proposes the true continuation with planted errors.
   """
   if hasattr(drafter, "propose"):
     beams = drafter.propose(llm, state, cfg)
   else:
-    beams = beam_search(drafter, llm.embed_tokens.embedding[...], state.h_BD, state.g0_B,
+    embed_VD = llm.embed_tokens.embedding[...] if embed_VD is None else embed_VD
+    beams = beam_search(drafter, embed_VD, state.h_BD, state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
                         return_full=cfg.acceptance == "reference")
   if cfg.lookup_ngram:

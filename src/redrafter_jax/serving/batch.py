@@ -134,17 +134,18 @@ def release(batch: SlotBatch, live_B) -> SlotBatch:
 
 
 def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig,
-              kind, *, context: int | None = None) -> tuple[SlotBatch, StepOut]:
+              kind, *, context: int | None = None, embed_VD=None) -> tuple[SlotBatch, StepOut]:
   """One ReDrafter step (draft, verify, accept, commit) for every slot: ``inference.step.step``
   with its acceptance rule chosen at run time by ``kind`` (traced int32; 0 greedy: every active
   request has temperature 0, the argmax walk; 1 sampled; 2 top-k/top-p filtered), so one
   program serves every sampling kind and the draft and verify forward compile once. Rows'
   random keys advance the same in every kind. ``context`` (static; None: the whole cache): the
-  cache slots attention reads, a context bucket holding every live row's tokens and tree."""
+  cache slots attention reads, a context bucket holding every live row's tokens and tree.
+  ``embed_VD``: the embedding table the drafter reads (``step.draft``)."""
   s = batch.state
   keys_B2 = jax.vmap(jax.random.split)(s.rng)
   state = s.replace(rng=keys_B2[:, 0])
-  beams, tree = step_lib.draft(llm, drafter, state, cfg)
+  beams, tree = step_lib.draft(llm, drafter, state, cfg, embed_VD)
   logits_BNV, hidden_BND, cache = step_lib.verify_forward(llm, state, tree, context)
   rule = lambda filtered, greedy: lambda: step_lib.accept(
       keys_B2[:, 1], beams, tree, logits_BNV, batch.params, cfg, filtered, greedy)

@@ -75,6 +75,7 @@ class Placement:
     self.mesh = mesh if mesh is not None else serving_mesh(1)
     repl = sh.replicated(self.mesh)
     self._drafter_def, self.drafter_state = None, None
+    self.draft_embed = None  # the drafter's embedding table, when the LLM's own will not do
     # Output rows hold up to max_tokens; each request's own limit is applied per row.
     self._decode = dataclasses.replace(config.decode, max_new_tokens=config.max_tokens)
     if drafter is not None:
@@ -84,6 +85,12 @@ class Placement:
       self._llm_def, llm_state, self._decode = rd.llm_def, rd.llm_state, rd.static_config
       self._drafter_def, self.drafter_state = rd.drafter_def, jax.device_put(rd.drafter_state,
                                                                              repl)
+      # The drafter reads the LLM's embedding table; each step is a call of its own, and XLA
+      # converts a table narrower than the activations whole before the beam search, so a
+      # bf16 table would be converted at every step: keep one copy in the activations' dtype.
+      table = llm.embed_tokens.embedding[...]
+      if table.dtype != jnp.dtype(llm.dtype):
+        self.draft_embed = jax.device_put(table.astype(llm.dtype), repl)
     else:
       self._llm_def, llm_state = nnx.split(llm)
     self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
@@ -263,8 +270,9 @@ class Placement:
     if fn is None:
       fn = self._step_fns[b, mode, context] = self._make_step(b, mode, context)
     kind = policy_lib.KINDS.index(policy_lib.kind_of(filtered, greedy))
-    self.batch, out = fn(self.llm_state, self.drafter_state, self.batch, self.stop_ids,
-                         np.asarray(rows, np.int32), np.asarray(live, bool), np.int32(kind))
+    self.batch, out = fn(self.llm_state, self.drafter_state, self.draft_embed, self.batch,
+                         self.stop_ids, np.asarray(rows, np.int32), np.asarray(live, bool),
+                         np.int32(kind))
     return out
 
   def _make_step(self, rows: int, mode: str, context: int):
@@ -272,15 +280,15 @@ class Placement:
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
     width = dcfg.beam_length if self.config.speculative else 1
 
-    def step(llm_state, drafter_state, batch, stop_ids, idx_b, live_b, kind):
+    def step(llm_state, drafter_state, embed_VD, batch, stop_ids, idx_b, live_b, kind):
       llm = nnx.merge(llm_def, llm_state)
       sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b, context),
                               live_b)
       if mode == "spec":
         sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
-                                       stop_ids, dcfg, kind, context=context)
+                                       stop_ids, dcfg, kind, context=context, embed_VD=embed_VD)
       else:
         sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context)
       return (sub if whole else rows_lib.put(batch, idx_b, sub)), out
 
-    return jax.jit(step, donate_argnums=(2,), out_shardings=self._out)
+    return jax.jit(step, donate_argnums=(3,), out_shardings=self._out)
