@@ -389,6 +389,11 @@ class Engine:
     for handle in handles:
       self.metrics.requests.labels(finish_reason="error").inc()
       self._emit(handle, Failed(message))
+    self._recover_batch(message)
+
+  def _recover_batch(self, message: str) -> None:
+    """After a failed call: if it consumed (donated) the shared batch, fail every active
+    request and start a fresh batch."""
     if not self._place.batch_intact():
       self._fail_active(message)
       self._place.reset()
@@ -410,9 +415,7 @@ class Engine:
       except Exception as e:
         log.exception("request %d: its prefill or first token failed", active.handle.id)
         self._fail_slot(slot, _fault_message(e))
-        if not self._place.batch_intact():
-          self._fail_active(_fault_message(e))
-          self._place.reset()
+        self._recover_batch(_fault_message(e))
 
   def _dispatch(self) -> _InFlight | None:
     """Dispatch one step for the occupied slots (cancelled requests end here first)."""

@@ -187,7 +187,7 @@ class Placement:
     """The most prompts of length bucket ``bucket`` one admission call prefills: a power of two,
     at most the slot count, with at most ``config.prefill_tokens`` padded tokens (at least 1)."""
     fit = max(self.config.prefill_tokens // bucket, 1)
-    return min(policy_lib.row_buckets(self.config.slots)[-1], 1 << (fit.bit_length() - 1))
+    return min(self.config.slots, 1 << (fit.bit_length() - 1))
 
   def admission_rows(self, bucket: int) -> list[int]:
     """The row counts an admission call at ``bucket`` runs with (each a compiled program)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pathlib
 import socket
 import threading
 import time
@@ -42,21 +43,34 @@ class Server:
     self.engine.stop()
 
 
+def drafter_folder(preset: Preset, path: str | None = None) -> pathlib.Path | None:
+  """The folder of the drafter to serve: ``path`` or the preset's ``drafter_path`` ('shipped'
+  resolved), None when neither names one. Raises ``ConfigError`` when it is missing."""
+  path = path or preset.drafter_path
+  if path is None:
+    return None
+  from redrafter_jax.weights.shipped import resolve_drafter
+
+  try:
+    return resolve_drafter(path)
+  except FileNotFoundError as e:
+    raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
+
+
 def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool, seed: int = 0):
   """The drafter to serve: a random one (tests), ``path``, or the preset's ``drafter_path``."""
   from redrafter_jax.models.drafter import Drafter
 
   if random:
     return Drafter(preset.drafter_config(llm_cfg), rngs=nnx.Rngs(seed))
-  path = path or preset.drafter_path
-  if path is None:
+  folder = drafter_folder(preset, path)
+  if folder is None:
     raise ConfigError("no drafter to serve: set drafter_path in the preset, pass --drafter PATH, "
                       "or use --random-drafter (tests) or --ar (no speculation)")
   from redrafter_jax.weights.drafter_io import load_drafter
-  from redrafter_jax.weights.shipped import resolve_drafter
 
   try:
-    return load_drafter(resolve_drafter(path))  # 'shipped' or a folder
+    return load_drafter(folder)
   except FileNotFoundError as e:
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
@@ -67,14 +81,16 @@ def serving_param_dtype(preset: Preset, *, drafter_path: str | None = None,
   the one its drafter's settings were measured with (decode.json; "auto": the platform's faster
   one), else None (the preset's ``dtype``). A ``--ar`` server resolves the same drafter, so a
   ReDrafter-vs-AR comparison serves the same weights."""
-  path = None if random_drafter else (drafter_path or preset.drafter_path)
-  if preset.param_dtype is not None or path is None:
+  if preset.param_dtype is not None or random_drafter:
     return preset.param_dtype
-  from redrafter_jax.weights.shipped import param_dtype_for, resolve_drafter
+  folder = drafter_folder(preset, drafter_path)
+  if folder is None:
+    return None
+  from redrafter_jax.weights.shipped import param_dtype_for
 
   try:
-    return param_dtype_for(resolve_drafter(path))
-  except (FileNotFoundError, ValueError) as e:
+    return param_dtype_for(folder)
+  except ValueError as e:
     raise ConfigError(str(e)) from None
 
 
