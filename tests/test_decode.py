@@ -196,3 +196,23 @@ def test_context_buckets_keep_tokens_and_cross_segments(llm, drafter):
   assert decode_lib.DecodeResult.from_state(state).tokens == ar.tokens
   whole = decode_lib.ReDrafter(llm, drafter, cfg, min_bucket=None)(prompts, cache_size=128)
   assert whole.tokens == ar.tokens and whole.steps == looped.steps
+
+
+def test_bf16_weights_draft_from_a_float32_table_made_once(drafter):
+  """With bfloat16 weights ``ReDrafter`` keeps one float32 copy of the embedding table for the
+  drafter (each compiled call would otherwise convert the whole table); greedy decoding, looped
+  and stepwise, still equals greedy AR of the same bf16 model."""
+  import jax.numpy as jnp
+
+  from redrafter_jax.models.llama import Llama
+
+  llm = Llama(CFG, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  rd = decode_lib.ReDrafter(llm, drafter, DecodeConfig(beam_width=3, beam_length=3,
+                                                       max_new_tokens=16))
+  assert rd.draft_embed.dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(rd.draft_embed),
+                                np.asarray(llm.embed_tokens.embedding[...], np.float32))
+  ar = generate(llm, PROMPTS, max_new_tokens=16)
+  assert rd(PROMPTS).tokens == ar.tokens
+  assert rd.stepwise(PROMPTS).tokens == ar.tokens
+  assert decode_lib.ReDrafter(tiny_llm(), drafter, DecodeConfig()).draft_embed is None

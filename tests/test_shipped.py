@@ -5,6 +5,7 @@ import json
 import pytest
 
 from redrafter_jax.config import ConfigError
+from redrafter_jax.weights.base_model import load_base_model
 from redrafter_jax.weights.shipped import param_dtype_for, recommended_config, resolve_drafter
 
 RECORDED = {"beam_width": 2, "beam_length": 4, "lookup_ngram": 3, "token_budget": 5,
@@ -88,6 +89,12 @@ def test_param_dtype_is_recorded_and_overridable(tmp_path, drafter_dir, monkeypa
     assert param_dtype_for(resolve_drafter("shipped")) == want == linear.preferred_param_dtype(
         cpu=True)
     assert param_dtype_for(drafter_dir, "auto") == want
+    # one rule for every entry point: "auto" under float32 activations, else the activations'
+    assert linear.resolve_param_dtype("auto") == want
+    assert linear.resolve_param_dtype("auto", "bfloat16") == "bfloat16"
+    llm, _ = load_base_model("random:tiny", param_dtype="auto")
+    assert llm.embed_tokens.embedding[...].dtype == want
+  assert linear.resolve_param_dtype(None, "bfloat16") == "bfloat16"
   assert linear.preferred_param_dtype(cpu=False) == "bfloat16"
 
 

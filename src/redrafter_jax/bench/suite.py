@@ -153,11 +153,9 @@ def parse_args(argv) -> argparse.Namespace:
     if getattr(o, name) is None:
       setattr(o, name, value)
   o.dtype = o.dtype or ("bfloat16" if o.gpu else "float32")
-  if o.param_dtype == "auto":
-    from redrafter_jax.models.linear import preferred_param_dtype
+  from redrafter_jax.models.linear import resolve_param_dtype
 
-    o.param_dtype = preferred_param_dtype() if o.dtype == "float32" else o.dtype
-  o.param_dtype = o.param_dtype or o.dtype
+  o.param_dtype = resolve_param_dtype(o.param_dtype, o.dtype)
   o.attention = o.attention or ("cudnn" if o.gpu else "xla")
   o.beams = parse_beams(p, "--beams", o.beams)
   o.main_beams = parse_beams(p, "--main-beams", o.main_beams)[0]

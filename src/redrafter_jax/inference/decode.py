@@ -59,8 +59,8 @@ _STATIC = ("llm_def", "drafter_def", "cfg", "filtered", "greedy", "width")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered, greedy, width):
+def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, embed_VD, state, params, stop_ids,
+              *, cfg, filtered, greedy, width):
   TRACE_COUNT["decode"] += 1
   llm, drafter = nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state)
 
@@ -73,15 +73,16 @@ def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, sto
   return jax.lax.while_loop(
       cond,
       lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered, greedy=greedy,
-                     width=width),
+                     width=width, embed_VD=embed_VD),
       state)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def _step_jit(llm_def, llm_state, drafter_def, drafter_state, state, params, stop_ids, *, cfg,
-              filtered, greedy, width):
+def _step_jit(llm_def, llm_state, drafter_def, drafter_state, embed_VD, state, params, stop_ids,
+              *, cfg, filtered, greedy, width):
   return step(nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state), state,
-              params, stop_ids, cfg, filtered=filtered, greedy=greedy, width=width)
+              params, stop_ids, cfg, filtered=filtered, greedy=greedy, width=width,
+              embed_VD=embed_VD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,20 @@ def draft_model(drafter, cfg: DecodeConfig):
   if isinstance(drafter, Drafter) and drafter.vocab_ids is None:
     return restrict_vocab(drafter, cfg.draft_vocab_size)
   return drafter
+
+
+def draft_embedding(llm: Llama) -> jax.Array | None:
+  """The embedding table the drafter reads, made once: a copy in the activations' dtype when
+  the weights are narrower (bf16 weights, float32 activations), else None (the LLM's own).
+
+  Each compiled call would otherwise convert the whole table before the beam search (XLA does
+  not keep a converted weight between calls): once per ``decode`` segment, once per step for
+  ``ReDrafter.step`` and for the server, which runs one step per call.
+  """
+  table = llm.embed_tokens.embedding[...]
+  if table.dtype == jnp.dtype(llm.dtype):
+    return None
+  return table.astype(llm.dtype)
 
 
 def static_config(cfg: DecodeConfig) -> DecodeConfig:
@@ -186,6 +201,7 @@ class ReDrafter:
     self.llm_config = llm.config
     self.llm_def, self.llm_state = nnx.split(llm)
     self.drafter_def, self.drafter_state = nnx.split(draft_model(drafter, config))
+    self.draft_embed = draft_embedding(llm)
 
   def prepare(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
               stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,
@@ -236,14 +252,14 @@ class ReDrafter:
     while True:
       width = self.width(p, state)
       state = _loop_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
-                        state, p.params, p.stop_ids, width=width, **self._static(p))
+                        self.draft_embed, state, p.params, p.stop_ids, width=width, **self._static(p))
       if width is None or bool(jnp.all(state.done_B)):
         return state
 
   def step(self, p: Prepared, state: DecodeState) -> DecodeState:
     """The ``step`` program: one draft -> verify -> accept -> commit (``state`` is donated)."""
-    return _step_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state, state,
-                     p.params, p.stop_ids, width=self.width(p, state), **self._static(p))
+    return _step_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
+                     self.draft_embed, state, p.params, p.stop_ids, width=self.width(p, state), **self._static(p))
 
   def __call__(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
                stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,

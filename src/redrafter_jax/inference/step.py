@@ -202,16 +202,17 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
 
 def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.SamplingParams,
          stop_ids, cfg: DecodeConfig, *, filtered: bool, greedy: bool = False,
-         width: int | None = None) -> DecodeState:
+         width: int | None = None, embed_VD: jax.Array | None = None) -> DecodeState:
   """One draft -> verify -> accept -> commit. ``width`` (static): the context bucket the
-  verify forward reads (see ``verify_forward``); the caller keeps every row within it."""
+  verify forward reads (see ``verify_forward``); the caller keeps every row within it.
+  ``embed_VD``: the drafter's embedding table (see ``draft``)."""
   if per_row_keys(state.rng):
     keys_B2 = jax.vmap(jax.random.split)(state.rng)
     rng, key = keys_B2[:, 0], keys_B2[:, 1]
   else:
     rng, key = jax.random.split(state.rng)
   state = state.replace(rng=rng)
-  beams, tree = draft(llm, drafter, state, cfg)
+  beams, tree = draft(llm, drafter, state, cfg, embed_VD)
   logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree, width)
   verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
   return commit(state, cache, verdict, hidden_BND, tree, stop_ids,

@@ -85,12 +85,10 @@ class Placement:
       self._llm_def, llm_state, self._decode = rd.llm_def, rd.llm_state, rd.static_config
       self._drafter_def, self.drafter_state = rd.drafter_def, jax.device_put(rd.drafter_state,
                                                                              repl)
-      # The drafter reads the LLM's embedding table; each step is a call of its own, and XLA
-      # converts a table narrower than the activations whole before the beam search, so a
-      # bf16 table would be converted at every step: keep one copy in the activations' dtype.
-      table = llm.embed_tokens.embedding[...]
-      if table.dtype != jnp.dtype(llm.dtype):
-        self.draft_embed = jax.device_put(table.astype(llm.dtype), repl)
+      # The drafter's embedding table in the activations' dtype (decode.draft_embedding):
+      # each server step is a call of its own.
+      if rd.draft_embed is not None:
+        self.draft_embed = jax.device_put(rd.draft_embed, repl)
     else:
       self._llm_def, llm_state = nnx.split(llm)
     self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redrafter_jax.config import ConfigError, LlamaConfig
+from redrafter_jax.models.linear import resolve_param_dtype
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 from redrafter_jax.weights.tokenizer import ByteTokenizer, load_tokenizer
@@ -58,15 +59,12 @@ def load_base_model(spec: str, *, dtype: str = "float32", param_dtype: str | Non
                     sharding=None) -> tuple[Llama, LlamaConfig]:
   """The base LLM for a model spec (known name, path, or ``random:<spec>``), with activations
   in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``; "auto": the platform's faster
-  one, ``linear.preferred_param_dtype``); ``sharding`` as for ``load_llama``."""
-  if param_dtype == "auto":
-    from redrafter_jax.models.linear import preferred_param_dtype
-
-    param_dtype = preferred_param_dtype()
-  for name, value in (("dtype", dtype), ("param_dtype", param_dtype or dtype)):
+  one, ``linear.resolve_param_dtype``); ``sharding`` as for ``load_llama``."""
+  param_dtype = resolve_param_dtype(param_dtype, dtype)
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
     if value not in DTYPES:
       raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {value!r}")
-  kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype or dtype])
+  kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype])
   if is_random(spec):
     cfg, seed, _ = _random_spec(spec)
     return Llama(cfg, **kinds, rngs=nnx.Rngs(seed)), cfg

@@ -73,11 +73,9 @@ def param_dtype_for(path, requested: str | None = None) -> str:
     source = pathlib.Path(path) / "decode.json"
   if value not in PARAM_DTYPES:
     raise ValueError(f"{source}: param_dtype must be one of {PARAM_DTYPES}, got {value!r}")
-  if value == "auto":
-    from redrafter_jax.models.linear import preferred_param_dtype
+  from redrafter_jax.models.linear import resolve_param_dtype
 
-    return preferred_param_dtype()
-  return value
+  return resolve_param_dtype(value)
 
 
 def recommended_config(path, *, beam_width: int | None = None, beam_length: int | None = None,
