@@ -56,3 +56,19 @@ def _no_leaked_compile_cache():
   before = jax.config.jax_compilation_cache_dir
   yield
   jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.fixture(scope="module")
+def llm():
+  """The tiny random LLM (``tiny_models``), one per test module; a module may define its own."""
+  from tiny_models import tiny_llm
+
+  return tiny_llm()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+  """The tiny random drafter matching ``llm``, one per test module."""
+  from tiny_models import tiny_drafter
+
+  return tiny_drafter()

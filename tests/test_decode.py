@@ -11,21 +11,11 @@ from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import decode, decode_stepwise
 from redrafter_jax.inference.runtime import GenerateError
 from redrafter_jax.models.drafter import Drafter
-from tiny_models import TINY_LLM, TINY_VOCAB, tiny_drafter, tiny_llm
+from tiny_models import TINY_LLM, TINY_VOCAB, tiny_llm
 
 V = TINY_VOCAB
 CFG = TINY_LLM
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20]]
-
-
-@pytest.fixture(scope="module")
-def llm():
-  return tiny_llm()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-  return tiny_drafter()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from redrafter_jax.inference import lookup
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import decode, decode_stepwise
 from redrafter_jax.serving import batch as batch_lib
-from tiny_models import TINY_LLM, TINY_VOCAB, tiny_drafter, tiny_llm
+from tiny_models import TINY_LLM, TINY_VOCAB
 
 V = TINY_VOCAB
 CFG = TINY_LLM
@@ -58,16 +58,6 @@ def test_write_drops_past_count_and_size():
   ctx = jnp.zeros((2, 6), jnp.int32)
   out = lookup.write(ctx, jnp.array([1, 4]), jnp.array([[7, 8, 9], [7, 8, 9]]), jnp.array([2, 3]))
   assert np.asarray(out).tolist() == [[0, 7, 8, 0, 0, 0], [0, 0, 0, 0, 7, 8]]
-
-
-@pytest.fixture(scope="module")
-def llm():
-  return tiny_llm()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-  return tiny_drafter()
 
 
 @pytest.mark.parametrize("W,L,n,budget", [(1, 4, 3, None), (2, 5, 2, None), (1, 2, 1, None),

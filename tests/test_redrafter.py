@@ -15,7 +15,7 @@ from redrafter_jax.inference import decode as decode_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.runtime import GenerateError
 from redrafter_jax.models.drafter import Drafter
-from tiny_models import TINY_LLM, TINY_VOCAB, tiny_drafter, tiny_llm
+from tiny_models import TINY_LLM, TINY_VOCAB
 
 V = TINY_VOCAB
 CFG = TINY_LLM
@@ -30,16 +30,6 @@ def _on_event(name, secs, **kwargs):
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-@pytest.fixture(scope="module")
-def llm():
-  return tiny_llm()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-  return tiny_drafter()
 
 
 @pytest.fixture

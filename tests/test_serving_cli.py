@@ -163,3 +163,41 @@ def test_server_weights_follow_the_drafter_settings(tmp_path, monkeypatch):
     server.serving_param_dtype(preset)
   with pytest.raises(ConfigError, match="drafter not found"):
     server.serving_param_dtype(Preset(drafter_path=str(tmp_path / "missing")))
+
+
+def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
+  """``serve --tree auto`` (the CLI's default): a drafter with an acceptance table is served
+  with the tree predicted fastest here (step times cached per device); without a table, or
+  with ``tree="preset"``, the preset's tree."""
+  from flax import nnx
+
+  from redrafter_jax.config import Preset
+  from redrafter_jax.inference import tree_choice
+  from redrafter_jax.models.drafter import Drafter
+  from redrafter_jax.serving import server
+  from redrafter_jax.weights.base_model import load_base_model
+  from redrafter_jax.weights.drafter_io import save_drafter
+
+  monkeypatch.setenv("REDRAFTER_JAX_CACHE", str(tmp_path / "cache"))
+  llm, llm_cfg = load_base_model("random:tiny")
+  preset = Preset(model="random:tiny", drafter_path=str(tmp_path / "drafter"),
+                  decode=dict(beam_width=3, beam_length=4, max_new_tokens=16))
+  drafter = Drafter(preset.drafter_config(llm_cfg), rngs=nnx.Rngs(0))
+  save_drafter(drafter, tmp_path / "drafter")
+  assert server.tuned_decode(preset, llm, drafter) == preset.decode  # no acceptance table
+  tree_choice.write_acceptance(tmp_path / "drafter", {
+      "1x3": dict(tokens_per_step=1.3, steps=10, tokens=13),
+      "2x3+2/5": dict(tokens_per_step=1.1, steps=10, tokens=11)}, {})
+  choice = tree_choice.tuned(tmp_path / "drafter", llm, drafter)  # times and caches
+  cfg = server.tuned_decode(preset, llm, drafter)
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget) == (
+      choice.beams.width, choice.beams.length, choice.beams.lookup, choice.beams.budget or None)
+  assert cfg.max_new_tokens == 16
+  auto = server.build(preset, slots=2, max_context=128, max_tokens=16, tree="auto")
+  fixed = server.build(preset, slots=2, max_context=128, max_tokens=16)
+  try:
+    assert auto.engine.config.decode == cfg
+    assert fixed.engine.config.decode == preset.decode
+  finally:
+    auto.close()
+    fixed.close()

@@ -28,6 +28,7 @@ COMMANDS = {
     "train": "redrafter_jax.commands.train",
     "ablate": "redrafter_jax.commands.ablate",
     "serve": "redrafter_jax.commands.serve",
+    "tune-tree": "redrafter_jax.commands.tune_tree",
 }
 
 

@@ -25,62 +25,13 @@ from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import ReDrafter
+from redrafter_jax.inference.tree_choice import Beams
 from redrafter_jax.models import linear
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).resolve().parents[3].parent / "shared/data/spec_bench.jsonl"
-
-
-@dataclasses.dataclass(frozen=True)
-class Beams:
-  """A tree setting, written ``WxL`` (W drafter beams of length L, g0 included), ``WxL+n``
-  (plus the context-lookup beam matching up to n tokens: ``DecodeConfig.lookup_ngram``) and
-  optionally ``/N`` (a token budget of N tree tokens: ``DecodeConfig.token_budget``)."""
-
-  width: int
-  length: int
-  lookup: int = 0
-  budget: int = 0  # 0: the whole tree
-
-  @classmethod
-  def parse_list(cls, text: str) -> list["Beams"]:
-    """Comma-separated settings; ValueError with the expected form when one is malformed."""
-    out = []
-    for item in (t.strip().lower() for t in text.split(",")):
-      if not item:
-        continue
-      try:
-        rest, _, budget = item.partition("/")
-        wl, _, n = rest.partition("+")
-        w, l = (int(x) for x in wl.split("x"))
-        b = cls(w, l, int(n) if n else 0, int(budget) if budget else 0)
-        b.config()  # the budget must fit the tree
-      except (ValueError, ConfigError):
-        b = None
-      if b is None or b.width < 1 or b.length < 2 or not 0 <= b.lookup <= 8:
-        raise ValueError(f"want WxL, WxL+n or WxL+n/N settings with W >= 1, L >= 2 (L counts "
-                         f"g0), lookup n-gram n <= 8 and a token budget L <= N <= the tree's "
-                         f"size, e.g. 4x4,1x4+3,1x4+3/5; got {item!r}")
-      out.append(b)
-    if not out:
-      raise ValueError(f"no WxL setting in {text!r}")
-    return out
-
-  @property
-  def key(self) -> str:
-    return (f"W{self.width}_L{self.length}" + (f"_lookup{self.lookup}" if self.lookup else "")
-            + (f"_N{self.budget}" if self.budget else ""))
-
-  @property
-  def label(self) -> str:
-    return (f"W={self.width} L={self.length}" + (f" + lookup {self.lookup}" if self.lookup else "")
-            + (f", N={self.budget}" if self.budget else ""))
-
-  def config(self, **kwargs) -> DecodeConfig:
-    return DecodeConfig(beam_width=self.width, beam_length=self.length,
-                        lookup_ngram=self.lookup, token_budget=self.budget or None, **kwargs)
 
 
 def load_prompts(path, tok, n: int, max_prompt_tokens: int) -> list[list[int]]:

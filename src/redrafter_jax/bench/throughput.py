@@ -115,31 +115,9 @@ def decode_step_tokens_per_s(llm, batch: int, slots: int, reps: int) -> float:
   """Best-of-``reps`` tokens/s (``batch`` / step time) of generation's one-token step
   (``ar.one_token_step``, jitted) over a KV cache of ``slots`` slots, each row's half full; the
   cache is donated, as in generation's loop, so the step writes it in place."""
-  import functools
+  from redrafter_jax.inference.ar import one_token_step_seconds
 
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from redrafter_jax.inference.ar import one_token_step
-  from redrafter_jax.models import kv_cache as kvc
-
-  graphdef, state = nnx.split(llm)
-
-  @functools.partial(jax.jit, donate_argnums=(2,))
-  def step(state, last_B, cache):
-    logits_BV, cache = one_token_step(nnx.merge(graphdef, state), last_B, cache)
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
-
-  cache = kvc.advance(llm.init_cache(batch, slots), jnp.full((batch,), slots // 2, jnp.int32))
-  last_B = jnp.full((batch,), 1000 % llm.config.vocab_size, jnp.int32)
-  last_B, cache = jax.block_until_ready(step(state, last_B, cache))
-  best = float("inf")
-  for _ in range(reps):
-    t = time.perf_counter()
-    last_B, cache = jax.block_until_ready(step(state, last_B, cache))
-    best = min(best, time.perf_counter() - t)
-  return batch / best
+  return batch / min(one_token_step_seconds(llm, batch, slots, slots // 2, reps))
 
 
 def main(argv=None) -> int:

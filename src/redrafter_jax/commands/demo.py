@@ -3,6 +3,9 @@
 Generates the answer to a few chat prompts twice, with plain AR greedy decoding and with
 ReDrafter greedy decoding, and prints the text, both speeds and the tokens per step. Compilation
 is done (and excluded) first; greedy ReDrafter must print exactly the AR text, and says so.
+The tree (W, L, lookup, N) is the one that predicts the most tokens per second on this device
+(``inference.tree_choice``: the drafter's measured tokens/step per tree over step times taken
+here once and cached), unless one is given or ``--tree recorded`` asks for decode.json's.
 Both run the same model: by default the LLM's weights in the precision the drafter's settings
 record (``decode.json``; the shipped one's "auto" picks the platform's faster weights,
 ``linear.preferred_param_dtype``), activations in float32.
@@ -34,6 +37,10 @@ def add_arguments(p) -> None:
   p.add_argument("--token-budget", type=int, default=None,
                  help="tree tokens N (default: the drafter's own when W, L and lookup are its "
                  "own too, else the whole tree)")
+  p.add_argument("--tree", choices=("auto", "recorded"), default="auto",
+                 help="auto: the tree predicted fastest on this device (timed once, cached); "
+                 "recorded: the drafter's decode.json tree (either way W/L/lookup/N given "
+                 "above win)")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16", "auto"), default=None,
                  help="the LLM's weights (activations stay float32; default: the drafter's own "
                  "setting; auto, the shipped one's, is bfloat16 on accelerators and on CPUs "
@@ -46,6 +53,7 @@ def run(args) -> int:
   import jax.numpy as jnp
 
   from redrafter_jax.inference.ar import generate
+  from redrafter_jax.inference import tree_choice
   from redrafter_jax.inference.decode import ReDrafter
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter
@@ -61,8 +69,16 @@ def run(args) -> int:
   param_dtype = param_dtype_for(path, args.param_dtype)
   llm, _ = load_llama("smollm2-135m", param_dtype=jnp.dtype(param_dtype))
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))
+  drafter = load_drafter(path)
+  given = (args.beam_width, args.beam_length, args.lookup_ngram, args.token_budget)
+  if args.tree == "auto" and all(v is None for v in given):
+    choice = tree_choice.tuned(path, llm, drafter, draft_vocab_size=cfg.draft_vocab_size)
+    if choice is not None:
+      print(f"draft trees on this device (batch 1, tokens/step from the drafter's "
+            f"{tree_choice.ACCEPTANCE_FILE}):\n{choice.table()}", flush=True)
+      cfg = choice.config(cfg)
   # Built once: the models are split and the draft vocabulary restricted here, not per call.
-  redrafter = ReDrafter(llm, load_drafter(path), cfg)
+  redrafter = ReDrafter(llm, drafter, cfg)
   stops = stop_token_ids(tok)
   prompts = [encode(tok, p, chat=True) for p in (args.prompt or PROMPTS)]
   print(f"SmolLM2-135M-Instruct (float32 activations, {param_dtype} weights, "

@@ -18,6 +18,10 @@ def add_arguments(p):
                         help="a randomly initialised drafter (tests; accepts almost nothing)")
   drafting.add_argument("--ar", action="store_true",
                         help="no speculation: plain autoregressive steps (for comparison)")
+  p.add_argument("--tree", choices=("auto", "preset"), default="auto",
+                 help="auto: the draft tree predicted fastest on this device for the drafter "
+                 "(timed once, cached; the preset's when the drafter has no acceptance.json); "
+                 "preset: the preset's decode settings")
   p.add_argument("--slots", type=int, default=8, help="requests decoded together (batch rows)")
   p.add_argument("--max-context", type=int, default=None,
                  help="KV-cache slots per request: prompt + max_tokens + scratch "
@@ -74,6 +78,6 @@ def run(args) -> int:
       speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
       devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,
       max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-      cors_origins=args.cors_origin, allowed_hosts=args.allowed_host)
+      cors_origins=args.cors_origin, allowed_hosts=args.allowed_host, tree=args.tree)
   server.serve_forever(srv, args.host, args.port, shutdown_grace=args.shutdown_grace)
   return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -48,6 +49,29 @@ def one_token_step(model: Llama, last_B: jax.Array, cache: kvc.KVCache
   mask_BTS = kvc.visible_mask(cache.lengths_B, jnp.ones((B, 1, 1), bool), cache.size)
   logits_BTV, _, cache = model(last_B[:, None], cache.lengths_B[:, None], mask_BTS, cache)
   return logits_BTV[:, 0], kvc.advance(cache, jnp.ones((B,), jnp.int32))
+
+
+def one_token_step_seconds(model: Llama, batch: int, slots: int, length: int, repeat: int
+                           ) -> list[float]:
+  """Wall seconds of ``repeat`` calls of the one-token step (jitted, greedy, the cache donated
+  as in generation's loop) for ``batch`` rows over a cache of ``slots`` slots holding ``length``
+  tokens each; the first (compiling) call is not timed."""
+  graphdef, state = nnx.split(model)
+
+  @functools.partial(jax.jit, donate_argnums=(2,))
+  def step(state, last_B, cache):
+    logits_BV, cache = one_token_step(nnx.merge(graphdef, state), last_B, cache)
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
+
+  cache = kvc.advance(model.init_cache(batch, slots), jnp.full((batch,), length, jnp.int32))
+  last_B = jnp.full((batch,), 1000 % model.config.vocab_size, jnp.int32)
+  last_B, cache = jax.block_until_ready(step(state, last_B, cache))
+  times = []
+  for _ in range(repeat):
+    t = time.perf_counter()
+    last_B, cache = jax.block_until_ready(step(state, last_B, cache))
+    times.append(time.perf_counter() - t)
+  return times
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_size",

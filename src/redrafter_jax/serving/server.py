@@ -94,6 +94,21 @@ def serving_param_dtype(preset: Preset, *, drafter_path: str | None = None,
     raise ConfigError(str(e)) from None
 
 
+def tuned_decode(preset: Preset, llm, drafter, drafter_path: str | None = None):
+  """The preset's decode settings with the draft tree predicted fastest on this device
+  (``tree_choice.tuned``); the preset's own when the drafter has no acceptance table."""
+  from redrafter_jax.inference import tree_choice
+
+  choice = tree_choice.tuned(drafter_folder(preset, drafter_path), llm, drafter,
+                             draft_vocab_size=preset.decode.draft_vocab_size, log=log.info)
+  if choice is None:
+    log.info("the drafter has no %s: serving the preset's tree", tree_choice.ACCEPTANCE_FILE)
+    return preset.decode
+  log.info("draft tree for this device: %s, predicted %.2fx AR at batch 1\n%s",
+           choice.beams.label, choice.predicted_speedup, choice.table())
+  return choice.config(preset.decode)
+
+
 def use_compile_cache(path: str | None, devices: int | None = None) -> str | None:
   """Keep XLA's compiled programs in ``path`` (None: ``xla/`` in the model cache folder; "off":
   not at all), so a restarted server loads its warm-up programs instead of compiling them again.
@@ -126,11 +141,14 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
           random_drafter: bool = False, devices: int | None = None,
           model_name: str | None = None, warmup: bool = False,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-          cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()) -> Server:
+          cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
+          tree: str = "preset") -> Server:
   """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
 
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
-  requests that do not say) to the preset's ``decode.max_new_tokens``.
+  requests that do not say) to the preset's ``decode.max_new_tokens``. ``tree``: "preset" serves
+  the preset's draft tree; "auto" the one predicted fastest on this device for the drafter
+  (``tree_choice.tuned``, batch 1; the preset's when the drafter has no acceptance table).
   """
   from redrafter_jax.weights import tokenizer as tokenizer_lib
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
@@ -148,6 +166,9 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   drafter = None
   if engine_config.speculative:
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
+    if tree == "auto" and not random_drafter:
+      engine_config = dataclasses.replace(
+          engine_config, decode=tuned_decode(preset, llm, drafter, drafter_path))
   engine = Engine(llm, tok, drafter, config=engine_config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
   weights = jax.numpy.dtype(llm.param_dtype).name

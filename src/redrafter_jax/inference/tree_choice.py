@@ -1,0 +1,293 @@
+"""Choosing the draft tree (W, L, lookup, N) for the device at hand.
+
+A tree's speed is tokens per step over seconds per step, and the two come from different places:
+
+- tokens per step belong to the drafter: ``measure_acceptance`` decodes calibration prompts with
+  each candidate tree once (greedy) and the result is kept beside the drafter's weights
+  (``acceptance.json``). It does not depend on the device (up to the weights' dtype).
+- seconds per step belong to the device: ``time_steps`` times one step program of each
+  candidate, and the AR step, on the device at hand (batch 1, a fixed context), as EAGLE-2's
+  ``total_token=-1`` times its verify budgets. The table is cached per device (CPU model and
+  flags or accelerator kind, weight dtype, attention backend, model shape) under the cache folder,
+  so a device pays for it once.
+
+``choose`` combines them: the candidate with the most tokens per second of predicted speed,
+with the predicted speedup over AR (tokens/step x AR step / tree step). ``tuned`` does all of it
+for a drafter folder, from the cache when it can; the demo and the server call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from redrafter_jax.config import ConfigError, DecodeConfig
+from redrafter_jax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Beams:
+  """A tree setting, written ``WxL`` (W drafter beams of length L, g0 included), ``WxL+n``
+  (plus the context-lookup beam matching up to n tokens: ``DecodeConfig.lookup_ngram``) and
+  optionally ``/N`` (a token budget of N tree tokens: ``DecodeConfig.token_budget``)."""
+
+  width: int
+  length: int
+  lookup: int = 0
+  budget: int = 0  # 0: the whole tree
+
+  @classmethod
+  def parse_list(cls, text: str) -> list["Beams"]:
+    """Comma-separated settings; ValueError with the expected form when one is malformed."""
+    out = []
+    for item in (t.strip().lower() for t in text.split(",")):
+      if not item:
+        continue
+      try:
+        rest, _, budget = item.partition("/")
+        wl, _, n = rest.partition("+")
+        w, l = (int(x) for x in wl.split("x"))
+        b = cls(w, l, int(n) if n else 0, int(budget) if budget else 0)
+        b.config()  # the budget must fit the tree
+      except (ValueError, ConfigError):
+        b = None
+      if b is None or b.width < 1 or b.length < 2 or not 0 <= b.lookup <= 8:
+        raise ValueError(f"want WxL, WxL+n or WxL+n/N settings with W >= 1, L >= 2 (L counts "
+                         f"g0), lookup n-gram n <= 8 and a token budget L <= N <= the tree's "
+                         f"size, e.g. 4x4,1x4+3,1x4+3/5; got {item!r}")
+      out.append(b)
+    if not out:
+      raise ValueError(f"no WxL setting in {text!r}")
+    return out
+
+  @property
+  def key(self) -> str:
+    return (f"W{self.width}_L{self.length}" + (f"_lookup{self.lookup}" if self.lookup else "")
+            + (f"_N{self.budget}" if self.budget else ""))
+
+  @property
+  def text(self) -> str:
+    """The written form ``parse_list`` reads: ``WxL[+n][/N]``."""
+    return (f"{self.width}x{self.length}" + (f"+{self.lookup}" if self.lookup else "")
+            + (f"/{self.budget}" if self.budget else ""))
+
+  @property
+  def label(self) -> str:
+    return (f"W={self.width} L={self.length}" + (f" + lookup {self.lookup}" if self.lookup else "")
+            + (f", N={self.budget}" if self.budget else ""))
+
+  def config(self, **kwargs) -> DecodeConfig:
+    return DecodeConfig(beam_width=self.width, beam_length=self.length,
+                        lookup_ngram=self.lookup, token_budget=self.budget or None, **kwargs)
+
+
+
+
+ACCEPTANCE_FILE = "acceptance.json"
+# The trees measured for a drafter when none are named: one drafter beam to four, with and
+# without the context-lookup beam, whole trees and token budgets that verify fewer tokens.
+DEFAULT_CANDIDATES = "1x3+3,1x4,1x4+3/5,1x4+3,1x5+3/6,2x4+3/7,2x4+3,2x5+3/9,4x4+3/10,4x5+3/16"
+TIMING_CONTEXT = 200  # prompt tokens in the cache when steps are timed
+
+
+class TreeChoiceError(UserError, ValueError):
+  """A missing or malformed acceptance table, or candidates that cannot be compared."""
+
+
+# ----------------------------------------------------------------------------- the drafter's side
+
+
+def measure_acceptance(llm, drafter, prompts: Sequence[Sequence[int]], candidates: Sequence[Beams],
+                       *, max_new_tokens: int, draft_vocab_size: int = 0, batch_size: int = 8,
+                       stop_ids: Sequence[int] = (), on_result: Callable | None = None
+                       ) -> dict[str, dict]:
+  """Greedy tokens per step of each candidate tree on ``prompts`` (token ids), decoded in
+  batches of ``batch_size`` (a multiple of it is used; the rest is dropped so every batch has
+  one shape). Returns ``{tree text: {tokens_per_step, steps, tokens}}``; ``on_result(text,
+  row)`` sees each as it is measured."""
+  from redrafter_jax.inference.decode import ReDrafter
+
+  n = len(prompts) // batch_size * batch_size
+  if n == 0:
+    raise TreeChoiceError(f"need at least batch_size={batch_size} prompts, got {len(prompts)}")
+  order = sorted(range(n), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+  batches = [[prompts[i] for i in order[k:k + batch_size]] for k in range(0, n, batch_size)]
+  out = {}
+  for b in candidates:
+    rd = ReDrafter(llm, drafter, b.config(max_new_tokens=max_new_tokens,
+                                          draft_vocab_size=draft_vocab_size))
+    steps = tokens = 0
+    for batch in batches:
+      m = rd(batch, stop_ids=stop_ids).metrics
+      steps += m["steps"]
+      tokens += m["steps"] + m["accepted_tokens"]
+    out[b.text] = dict(tokens_per_step=tokens / max(steps, 1), steps=steps, tokens=tokens)
+    if on_result is not None:
+      on_result(b.text, out[b.text])
+  return out
+
+
+def write_acceptance(folder, table: dict[str, dict], measured_with: dict) -> pathlib.Path:
+  path = pathlib.Path(folder) / ACCEPTANCE_FILE
+  path.write_text(json.dumps({"tokens_per_step": {k: round(v["tokens_per_step"], 4)
+                                                  for k, v in table.items()},
+                              "counts": {k: {"steps": v["steps"], "tokens": v["tokens"]}
+                                         for k, v in table.items()},
+                              "measured_with": measured_with}, indent=1) + "\n")
+  return path
+
+
+def read_acceptance(folder) -> dict[Beams, float] | None:
+  """The drafter's tokens per step per tree (``acceptance.json``), None when it has none."""
+  path = pathlib.Path(folder) / ACCEPTANCE_FILE
+  if not path.is_file():
+    return None
+  try:
+    rows = json.loads(path.read_text())["tokens_per_step"]
+    table = {Beams.parse_list(k)[0]: float(v) for k, v in rows.items()}
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise TreeChoiceError(f"{path}: not an acceptance table ({e}); measure it again with "
+                          "`redrafter-jax tune-tree`") from None
+  if not table or any(not 1.0 <= v for v in table.values()):
+    raise TreeChoiceError(f"{path}: want at least one tree, each with tokens_per_step >= 1")
+  return table
+
+
+# ----------------------------------------------------------------------------- the device's side
+
+
+def time_steps(llm, drafter, candidates: Sequence[Beams], *, draft_vocab_size: int = 0,
+               context: int = TIMING_CONTEXT, repeat: int = 12) -> dict[str, float]:
+  """Median seconds of one step of each candidate (draft, verify, accept, commit: the
+  ``ReDrafter.step`` program) at batch 1 with ``context`` tokens in the cache, and of the AR
+  one-token step over the same cache slots (key "ar"). Compilation is not timed."""
+  from redrafter_jax.inference.ar import one_token_step_seconds
+  from redrafter_jax.inference.decode import ReDrafter
+
+  prompt = np.random.default_rng(0).integers(0, llm.config.vocab_size, context).tolist()
+  out, slots = {}, None
+  for b in candidates:
+    rd = ReDrafter(llm, drafter, b.config(max_new_tokens=(repeat + 2) * b.length,
+                                          draft_vocab_size=draft_vocab_size))
+    p = rd.prepare([prompt])
+    state = jax.block_until_ready(rd.step(p, rd.start(p)))  # compiles
+    slots = rd.width(p, state) or p.cache_size
+    times = []
+    for _ in range(repeat):
+      t = time.perf_counter()
+      state = jax.block_until_ready(rd.step(p, state))
+      times.append(time.perf_counter() - t)
+    out[b.text] = statistics.median(times)
+  out["ar"] = statistics.median(one_token_step_seconds(llm, 1, slots or 256, context, repeat))
+  return out
+
+
+def device_description(llm, drafter, draft_vocab_size: int) -> dict:
+  """What a step's cost depends on: the device, the weights and the models' shapes."""
+  dev = jax.devices()[0]
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                 cpu)
+  except OSError:
+    pass
+  from redrafter_jax.models.linear import cpu_has_bf16_matmul
+
+  return dict(backend=jax.default_backend(), device_kind=dev.device_kind, cpu=cpu,
+              cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+              else os.cpu_count(), cpu_bf16=cpu_has_bf16_matmul(), jax=jax.__version__,
+              dtype=jnp.dtype(llm.dtype).name, param_dtype=jnp.dtype(llm.param_dtype).name,
+              attention=getattr(llm, "backend", "xla"), llm=repr(llm.config),
+              drafter=repr(getattr(drafter, "config", type(drafter).__name__)),
+              draft_vocab_size=draft_vocab_size)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The chosen tree and, per candidate, its tokens/step, step seconds and predicted speedup
+  over AR (best first)."""
+
+  beams: Beams
+  rows: tuple[tuple[Beams, float, float, float], ...]
+  ar_seconds: float
+
+  @property
+  def predicted_speedup(self) -> float:
+    return self.rows[0][3]
+
+  def config(self, base: DecodeConfig) -> DecodeConfig:
+    """``base`` with this tree (its other settings kept)."""
+    return dataclasses.replace(base, beam_width=self.beams.width, beam_length=self.beams.length,
+                               lookup_ngram=self.beams.lookup,
+                               token_budget=self.beams.budget or None)
+
+  def table(self) -> str:
+    lines = [f"{'tree':<12} {'tokens/step':>11} {'step ms':>8} {'x AR step':>9} "
+             f"{'predicted':>9}"]
+    for b, tps, s, speedup in self.rows:
+      lines.append(f"{b.text:<12} {tps:>11.2f} {s * 1e3:>8.1f} {s / self.ar_seconds:>9.2f} "
+                   f"{speedup:>8.2f}x" + ("  <- chosen" if b == self.beams else ""))
+    lines.append(f"{'AR':<12} {1.0:>11.2f} {self.ar_seconds * 1e3:>8.1f} {1.0:>9.2f} "
+                 f"{1.0:>8.2f}x")
+    return "\n".join(lines)
+
+
+def choose(tokens_per_step: dict[Beams, float], seconds: dict[str, float]) -> Choice:
+  """The candidate with the highest tokens/step / step seconds (both must cover it)."""
+  rows = [(b, tps, seconds[b.text], tps * seconds["ar"] / seconds[b.text])
+          for b, tps in tokens_per_step.items() if b.text in seconds]
+  if not rows or "ar" not in seconds:
+    raise TreeChoiceError("no candidate tree has both a measured acceptance and a step time")
+  rows.sort(key=lambda r: -r[3])
+  return Choice(rows[0][0], tuple(rows), seconds["ar"])
+
+
+def timing_cache(root=None) -> pathlib.Path:
+  if root is None:
+    from redrafter_jax.weights.fetch import cache_dir
+    root = cache_dir()
+  return pathlib.Path(root) / "trees"
+
+
+def tuned(folder, llm, drafter, *, draft_vocab_size: int = 0, cache=None,
+          log: Callable[[str], None] = print) -> Choice | None:
+  """The tree for ``folder``'s drafter on this device: None when the drafter has no
+  acceptance table; else ``choose`` over its candidates, with step times from the per-device
+  cache (``cache``: a folder; None: ``trees/`` in the model cache) or timed now and cached."""
+  acceptance = read_acceptance(folder)
+  if acceptance is None:
+    return None
+  trees = sorted(acceptance, key=lambda b: b.text)
+  desc = device_description(llm, drafter, draft_vocab_size)
+  desc["trees"] = [b.text for b in trees]
+  digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+  path = timing_cache(cache) / f"{digest}.json"
+  seconds = None
+  if path.is_file():
+    try:
+      seconds = json.loads(path.read_text())["seconds"]
+    except (ValueError, KeyError):
+      seconds = None  # a damaged cache entry is measured again
+  if seconds is None:
+    log(f"timing {len(trees)} draft trees on this device (once; cached in {path.parent}) ...")
+    seconds = time_steps(llm, drafter, trees, draft_vocab_size=draft_vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"device": desc, "seconds": seconds}, indent=1) + "\n")
+    os.replace(tmp, path)
+  return choose(acceptance, seconds)

@@ -1,0 +1,119 @@
+"""Choosing the draft tree per device: the drafter's acceptance table, the device's step times
+(cached per device), and the choice that combines them."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from redrafter_jax.inference import tree_choice
+from redrafter_jax.inference.decode import decode
+from redrafter_jax.inference.tree_choice import Beams, TreeChoiceError
+from redrafter_jax.models.llama import Llama
+from tiny_models import TINY_LLM
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [3, 1, 4]]
+
+
+def test_tree_text_round_trips():
+  for b in Beams.parse_list(tree_choice.DEFAULT_CANDIDATES + ",3x3,2x5+2"):
+    assert Beams.parse_list(b.text) == [b]
+  assert Beams(1, 4, 3, 5).text == "1x4+3/5" and Beams(2, 3).text == "2x3"
+
+
+def test_measured_acceptance_is_decode_tokens_per_step(llm, drafter):
+  """The table's tokens/step is what decode() reports for the same batches (a multiple of the
+  batch size is used: the first 4 of the 5 prompts, batched shortest first)."""
+  trees = [Beams(2, 3), Beams(1, 3, 2, 4)]
+  seen = []
+  table = tree_choice.measure_acceptance(llm, drafter, PROMPTS, trees, max_new_tokens=12,
+                                         batch_size=2, on_result=lambda k, r: seen.append(k))
+  assert seen == ["2x3", "1x3+2/4"]
+  batches = [[PROMPTS[3], PROMPTS[1]], [PROMPTS[0], PROMPTS[2]]]
+  for b in trees:
+    ms = [decode(llm, drafter, batch, b.config(max_new_tokens=12)).metrics for batch in batches]
+    steps = sum(m["steps"] for m in ms)
+    tokens = steps + sum(m["accepted_tokens"] for m in ms)
+    assert table[b.text] == dict(tokens_per_step=tokens / steps, steps=steps, tokens=tokens)
+  with pytest.raises(TreeChoiceError, match="at least batch_size=8"):
+    tree_choice.measure_acceptance(llm, drafter, PROMPTS, trees, max_new_tokens=4, batch_size=8)
+
+
+def test_acceptance_file_round_trip_and_errors(tmp_path):
+  assert tree_choice.read_acceptance(tmp_path) is None  # no table: no automatic choice
+  table = {"1x4+3/5": dict(tokens_per_step=1.75, steps=4, tokens=7),
+           "2x3": dict(tokens_per_step=1.5, steps=2, tokens=3)}
+  tree_choice.write_acceptance(tmp_path, table, {"prompts": "p.jsonl"})
+  assert tree_choice.read_acceptance(tmp_path) == {Beams(1, 4, 3, 5): 1.75, Beams(2, 3): 1.5}
+  path = tmp_path / tree_choice.ACCEPTANCE_FILE
+  for bad in ("not json", json.dumps({"tokens_per_step": {"9q9": 2.0}}),
+              json.dumps({"tokens_per_step": {"2x3": 0.5}}), json.dumps({"other": 1})):
+    path.write_text(bad)
+    with pytest.raises(TreeChoiceError, match="acceptance"):
+      tree_choice.read_acceptance(tmp_path)
+
+
+def test_choose_maximises_tokens_per_second():
+  tps = {Beams(1, 4, 3, 5): 1.8, Beams(4, 5, 3, 16): 2.4, Beams(2, 3): 1.4}
+  seconds = {"1x4+3/5": 0.030, "4x5+3/16": 0.060, "2x3": 0.020, "ar": 0.025}
+  c = tree_choice.choose(tps, seconds)
+  # tokens/s: 2x3 1.4 / 20 ms = 70; 1x4+3/5 1.8 / 30 ms = 60; 4x5+3/16 2.4 / 60 ms = 40
+  assert c.beams == Beams(2, 3)
+  assert [r[0] for r in c.rows] == [Beams(2, 3), Beams(1, 4, 3, 5), Beams(4, 5, 3, 16)]
+  assert c.predicted_speedup == pytest.approx(1.4 * 0.025 / 0.020)
+  assert "<- chosen" in c.table().splitlines()[1]
+  cfg = c.config(tree_choice.Beams(4, 5, 3, 16).config(draft_vocab_size=64, max_new_tokens=9))
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget,
+          cfg.draft_vocab_size, cfg.max_new_tokens) == (2, 3, 0, None, 64, 9)
+  with pytest.raises(TreeChoiceError, match="step time"):
+    tree_choice.choose(tps, {"ar": 0.02})
+
+
+def test_tuned_times_once_per_device_and_caches(tmp_path, llm, drafter, monkeypatch):
+  """The first call times every tree on this device (real step programs); the second reads the
+  cache; weights of another dtype are another device entry and are timed again."""
+  folder = tmp_path / "drafter"
+  folder.mkdir()
+  tree_choice.write_acceptance(folder, {
+      "1x3": dict(tokens_per_step=1.2, steps=5, tokens=6),
+      "2x3+2/5": dict(tokens_per_step=1.5, steps=4, tokens=6)}, {})
+  real, calls = tree_choice.time_steps, []
+
+  def counting(*args, **kwargs):
+    calls.append(jnp.dtype(args[0].param_dtype).name)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(tree_choice, "time_steps", counting)
+  cache = tmp_path / "cache"
+  first = tree_choice.tuned(folder, llm, drafter, cache=cache, log=lambda m: None)
+  assert calls == ["float32"]
+  (entry,) = (cache / "trees").glob("*.json")
+  seconds = json.loads(entry.read_text())["seconds"]
+  assert set(seconds) == {"1x3", "2x3+2/5", "ar"} and all(v > 0 for v in seconds.values())
+  again = tree_choice.tuned(folder, llm, drafter, cache=cache, log=lambda m: None)
+  assert calls == ["float32"] and again == first
+  assert first.beams in (Beams(1, 3), Beams(2, 3, 2, 5))
+  bf16 = Llama(TINY_LLM, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  tree_choice.tuned(folder, bf16, drafter, cache=cache, log=lambda m: None)
+  assert calls == ["float32", "bfloat16"] and len(list((cache / "trees").glob("*.json"))) == 2
+  assert tree_choice.tuned(tmp_path, llm, drafter, cache=cache) is None  # no table
+
+
+def test_calibration_prompts_are_held_out_and_spread_over_categories(tmp_path):
+  """``tune-tree`` calibrates on prompts with no teacher answer (never trained on), taken
+  round-robin over categories."""
+  from redrafter_jax.commands.tune_tree import calibration_prompts
+  from redrafter_jax.training import data as data_lib
+
+  rows = [{"id": f"{c}-{i}", "category": c, "prompt": f"{c} {i}"}
+          for c in ("code", "math", "qa") for i in range(4)]
+  data_lib.write_jsonl(rows, tmp_path / "p.jsonl")
+  teacher = tmp_path / "teacher"
+  teacher.mkdir()
+  data_lib.write_shard(teacher / "shard-00000.npz", [
+      data_lib.make_record([1, 2], [0, 1], id=i) for i in ("code-0", "math-0", "math-1")])
+  got = calibration_prompts(tmp_path / "p.jsonl", [teacher], 7)
+  assert [p.id for p in got] == ["code-1", "math-2", "qa-0", "code-2", "math-3", "qa-1",
+                                 "code-3"]
+  assert len(calibration_prompts(tmp_path / "p.jsonl", [], 100)) == 12
