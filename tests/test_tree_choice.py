@@ -117,3 +117,37 @@ def test_calibration_prompts_are_held_out_and_spread_over_categories(tmp_path):
   assert [p.id for p in got] == ["code-1", "math-2", "qa-0", "code-2", "math-3", "qa-1",
                                  "code-3"]
   assert len(calibration_prompts(tmp_path / "p.jsonl", [], 100)) == 12
+
+
+def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, capsys):
+  """``redrafter-jax tune-tree`` end to end on a tiny model: calibration prompts -> the
+  drafter's acceptance.json -> this device's timing -> the printed choice; ``--time-only``
+  keeps the table and reads the cached times."""
+  from redrafter_jax import cli
+  from redrafter_jax.config import DrafterConfig
+  from redrafter_jax.models.drafter import Drafter
+  from redrafter_jax.training import data as data_lib
+  from redrafter_jax.weights.base_model import load_base_model
+  from redrafter_jax.weights.drafter_io import save_drafter
+
+  monkeypatch.setenv("REDRAFTER_JAX_CACHE", str(tmp_path / "cache"))
+  _, cfg = load_base_model("random:tiny")
+  save_drafter(Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size),
+                       rngs=nnx.Rngs(0)), tmp_path / "drafter")
+  data_lib.write_jsonl([{"id": str(i), "category": "c", "prompt": f"prompt {i}"}
+                        for i in range(5)], tmp_path / "p.jsonl")
+  (tmp_path / "teacher").mkdir()
+  args = ["tune-tree", "--model", "random:tiny", "--drafter", str(tmp_path / "drafter")]
+  assert cli.main(args + ["--prompts", str(tmp_path / "p.jsonl"), "--held-out-from",
+                          str(tmp_path / "teacher"), "--num-prompts", "4", "--batch-size", "2",
+                          "--max-new-tokens", "6", "--candidates", "1x3,2x3+2/5"]) == 0
+  out = capsys.readouterr().out
+  table = json.loads((tmp_path / "drafter" / tree_choice.ACCEPTANCE_FILE).read_text())
+  assert set(table["tokens_per_step"]) == {"1x3", "2x3+2/5"}
+  assert table["measured_with"]["ids"] == ["0", "1", "2", "3"]
+  assert "chosen for this device" in out and "timing 2 draft trees" in out
+  assert cli.main(args + ["--time-only"]) == 0
+  out = capsys.readouterr().out
+  assert "chosen for this device" in out and "timing" not in out  # the cached times
+  assert cli.main(args + ["--candidates", "9q9"]) == 2
+  assert "--candidates" in capsys.readouterr().err

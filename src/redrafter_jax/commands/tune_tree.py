@@ -18,9 +18,9 @@ HELP = "measure a drafter's tokens/step per tree and pick the tree for this devi
 
 
 def add_arguments(p) -> None:
-  from redrafter_jax.inference.tree_choice import DEFAULT_CANDIDATES
-
   p.add_argument("--drafter", default="shipped", help="drafter folder (default: the shipped one)")
+  p.add_argument("--model", default="smollm2-135m",
+                 help="the base LLM the drafter belongs to (a known name or a path)")
   p.add_argument("--prompts", default="data/prompts/mix-v1.jsonl.gz",
                  help="calibration prompts (JSON lines with 'prompt', optional 'category', 'id')")
   p.add_argument("--held-out-from", action="append", default=None, metavar="TEACHER_DIR",
@@ -29,8 +29,9 @@ def add_arguments(p) -> None:
   p.add_argument("--num-prompts", type=int, default=48)
   p.add_argument("--max-new-tokens", type=int, default=96)
   p.add_argument("--batch-size", type=int, default=8)
-  p.add_argument("--candidates", default=DEFAULT_CANDIDATES,
-                 help="trees to measure, WxL[+n][/N] comma-separated")
+  p.add_argument("--candidates", default=None,
+                 help="trees to measure, WxL[+n][/N] comma-separated (default: "
+                 "tree_choice.DEFAULT_CANDIDATES, ten trees from 1x4 to 4x5+3/16)")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16", "auto"), default=None,
                  help="the LLM's weights (default: the drafter's own setting)")
   p.add_argument("--time-only", action="store_true",
@@ -60,32 +61,30 @@ def calibration_prompts(path, held_out_from, num: int) -> list:
 
 
 def run(args) -> int:
-  import jax.numpy as jnp
-
   from redrafter_jax.config import ConfigError
   from redrafter_jax.inference import tree_choice
-  from redrafter_jax.weights import fetch
+  from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
   from redrafter_jax.weights.drafter_io import load_drafter
-  from redrafter_jax.weights.llama_weights import load_llama
   from redrafter_jax.weights.shipped import (decode_defaults, param_dtype_for,
                                              resolve_drafter)
-  from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
+  from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
   try:
-    candidates = tree_choice.Beams.parse_list(args.candidates)
+    candidates = tree_choice.Beams.parse_list(args.candidates
+                                              or tree_choice.DEFAULT_CANDIDATES)
   except ValueError as e:
     raise ConfigError(f"--candidates: {e}") from None
   path = resolve_drafter(args.drafter)
   draft_vocab = int(decode_defaults(path).get("draft_vocab_size", 0))
   param_dtype = param_dtype_for(path, args.param_dtype)
-  llm, _ = load_llama("smollm2-135m", param_dtype=jnp.dtype(param_dtype))
+  llm, _ = load_base_model(args.model, param_dtype=param_dtype)
   drafter = load_drafter(path)
   if not args.time_only:
     held = args.held_out_from
     if held is None:
       held = [d for d in ("data/teacher/mix-v1",) if pathlib.Path(d).is_dir()]
     prompts = calibration_prompts(args.prompts, held, args.num_prompts)
-    tok = load_tokenizer(fetch.model_path("smollm2-135m"))
+    tok = load_base_tokenizer(args.model)
     ids = [encode(tok, p.text, chat=True) for p in prompts]
     print(f"{len(ids)} calibration prompts from {args.prompts} "
           f"({dict(collections.Counter(p.category for p in prompts))}), "
