@@ -284,3 +284,33 @@ def test_take_and_put_rows_move_rows_in_every_layout(layout):
     np.testing.assert_array_equal(new_k[[3, 0], :, W:], old_k[[3, 0], :, W:])
   with pytest.raises(kvc.CacheError, match="take_rows: 9 slots"):
     kvc.take_rows(cache, idx, S + 1)
+
+
+@pytest.mark.parametrize("layout", kvc.LAYOUTS)
+def test_put_window_writes_back_only_the_step_slots(layout):
+  """A sub-batch step changes slots [length, length + N) of its rows: ``put_window`` writes
+  those back (and the lengths), nothing else; slots past the taken width are not written."""
+  B, S, K, E, L, W, N = 5, 12, 2, 4, 2, 8, 3
+  rng = np.random.default_rng(1)
+  cache = kvc.init(L, B, S, K, E, layout=layout)
+  cache = cache.replace(k=tuple(jnp.asarray(rng.normal(size=k.shape), k.dtype) for k in cache.k),
+                        v=tuple(jnp.asarray(rng.normal(size=v.shape), v.dtype) for v in cache.v),
+                        lengths_B=jnp.array([2, 5, 1, 3, 7], jnp.int32))
+  idx = jnp.array([3, 0, 4], jnp.int32)
+  sub = kvc.take_rows(cache, idx, W)
+  start = sub.lengths_B  # [3, 2, 7]: row 4's window 7..9 crosses the width 8
+  changed = sub.replace(k=tuple(k * 0 + 5 for k in sub.k), v=tuple(v * 0 - 5 for v in sub.v),
+                        lengths_B=sub.lengths_B + 1)
+  out = kvc.put_window(cache, idx, changed, start, N)
+  assert out.lengths_B.tolist() == [3, 5, 1, 4, 8]
+  for i in range(L):
+    new = [np.asarray(x) for x in kvc.to_BKSE(*out.layer(i), B, layout)]
+    old = [np.asarray(x) for x in kvc.to_BKSE(*cache.layer(i), B, layout)]
+    for n, o, value in zip(new, old, (5, -5)):
+      want = o.copy()
+      for row, s0 in zip([3, 0, 4], [3, 2, 7]):
+        hi = min(s0 + N, W)
+        want[row, :, s0:hi] = value
+      np.testing.assert_array_equal(n, want)
+  with pytest.raises(kvc.CacheError, match="put_window"):
+    kvc.put_window(cache, idx, changed, start[:2], N)

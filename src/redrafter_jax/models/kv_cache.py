@@ -140,9 +140,12 @@ def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: in
                  lengths_B=jnp.zeros((batch,), jnp.int32), layout=layout)
 
 
-def _heads(B: int, T: int, K: int) -> jax.Array:
-  """``x_BTK``: the ``X`` index of (row b, kv head k), repeated over T."""
-  x_BK = jnp.arange(K)[None, :] * B + jnp.arange(B)[:, None]
+def _heads(B: int, T: int, K: int, rows_B: jax.Array | None = None,
+           batch: int | None = None) -> jax.Array:
+  """``x_BTK``: the ``X`` index of (row ``rows_B[b]`` of a ``batch``-row cache, kv head k),
+  repeated over T (default: rows 0..B-1 of a B-row cache)."""
+  rows_B = jnp.arange(B) if rows_B is None else rows_B
+  x_BK = jnp.arange(K)[None, :] * (B if batch is None else batch) + rows_B[:, None]
   return jnp.broadcast_to(x_BK[:, None, :], (B, T, K))
 
 
@@ -151,8 +154,9 @@ def _per_head(x_BT: jax.Array, K: int) -> jax.Array:
   return jnp.broadcast_to(x_BT[:, :, None], (*x_BT.shape, K))
 
 
-def _put(cache: KVCache, k_BTKE, v_BTKE, slots_BT, k, v, *, mode="drop"):
-  """``(k, v)`` of one layer with ``[B, T, K, E]`` values set at slots ``slots_BT`` of each row.
+def _put(cache: KVCache, k_BTKE, v_BTKE, slots_BT, k, v, *, mode="drop", rows_B=None):
+  """``(k, v)`` of one layer with ``[B, T, K, E]`` values set at slots ``slots_BT`` of each row
+  (of rows ``rows_B`` of ``cache``; default: rows 0..B-1).
 
   Advanced indices address exactly ``[B, T, K, E]`` in every layout: XES indexes axes 0 and 2
   of k around a slice (0 and 1 of v); BSKE axes 0 and 1; BKSE axes 0 and 2 around the heads'
@@ -160,10 +164,10 @@ def _put(cache: KVCache, k_BTKE, v_BTKE, slots_BT, k, v, *, mode="drop"):
   """
   B, T, K, _ = k_BTKE.shape
   if cache.layout == "XES":
-    x_BTK, s_BTK = _heads(B, T, K), _per_head(slots_BT, K)
+    x_BTK, s_BTK = _heads(B, T, K, rows_B, cache.batch), _per_head(slots_BT, K)
     return (k.at[x_BTK, :, s_BTK].set(k_BTKE.astype(k.dtype), mode=mode),
             v.at[x_BTK, s_BTK].set(v_BTKE.astype(v.dtype), mode=mode))
-  b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  b_BT = jnp.broadcast_to((jnp.arange(B) if rows_B is None else rows_B)[:, None], (B, T))
   if cache.layout == "BSKE":
     return (k.at[b_BT, slots_BT].set(k_BTKE.astype(k.dtype), mode=mode),
             v.at[b_BT, slots_BT].set(v_BTKE.astype(v.dtype), mode=mode))
@@ -313,3 +317,32 @@ def put_rows(cache: KVCache, idx_b: jax.Array, rows: KVCache) -> KVCache:
   return cache.replace(k=tuple(put(f, r, True) for f, r in zip(cache.k, rows.k)),
                        v=tuple(put(f, r, False) for f, r in zip(cache.v, rows.v)),
                        lengths_B=cache.lengths_B.at[idx_b].set(rows.lengths_B, mode="drop"))
+
+
+def put_window(cache: KVCache, idx_b: jax.Array, rows: KVCache, start_b: jax.Array,
+               size: int) -> KVCache:
+  """``cache`` with slots ``[start_b, start_b + size)`` of rows ``idx_b`` (distinct, valid)
+  replaced by the same slots of ``rows`` (a cache of ``len(idx_b)`` rows, e.g. ``take_rows``'
+  result after a step), lengths included.
+
+  A step writes only its tree's slots from each row's committed length on (``write_layer``,
+  then ``commit`` within them), so putting those back is enough: ``size`` slots per row and
+  layer instead of the whole context ``put_rows`` writes. Slots past ``rows``' width are not
+  written."""
+  b = rows.batch
+  if rows.layout != cache.layout or idx_b.shape != (b,) or start_b.shape != (b,):
+    raise CacheError(f"put_window: needs rows of layout {cache.layout!r}, one index and one "
+                     f"start per row; got layout {rows.layout!r}, indices {idx_b.shape}, "
+                     f"starts {start_b.shape}")
+  K = cache.num_kv_heads
+  slots_bT = start_b[:, None] + jnp.arange(size)[None, :]
+
+  def put(full_k, full_v, part_k, part_v):
+    k_bTKE, v_bTKE = _take(rows, part_k, part_v, jnp.minimum(slots_bT, rows.size - 1), K)
+    # a slot ``rows`` does not hold is not written (past the cache's end: dropped)
+    to_bT = jnp.where(slots_bT < rows.size, slots_bT, cache.size)
+    return _put(cache, k_bTKE, v_bTKE, to_bT, full_k, full_v, rows_B=idx_b)
+
+  moved = [put(*a) for a in zip(cache.k, cache.v, rows.k, rows.v)]
+  return cache.replace(k=tuple(m[0] for m in moved), v=tuple(m[1] for m in moved),
+                       lengths_B=cache.lengths_B.at[idx_b].set(rows.lengths_B))

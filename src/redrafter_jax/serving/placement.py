@@ -277,16 +277,20 @@ class Placement:
     llm_def, drafter_def, dcfg = self._llm_def, self._drafter_def, self._decode
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
     width = dcfg.beam_length if self.config.speculative else 1
+    written = dcfg.num_tree_tokens if mode == "spec" else 1  # cache slots a step writes
 
     def step(llm_state, drafter_state, embed_VD, batch, stop_ids, idx_b, live_b, kind):
       llm = nnx.merge(llm_def, llm_state)
       sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b, context),
                               live_b)
+      start_b = sub.state.cache.lengths_B  # the step writes only from here on
       if mode == "spec":
         sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
                                        stop_ids, dcfg, kind, context=context, embed_VD=embed_VD)
       else:
         sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context)
-      return (sub if whole else rows_lib.put(batch, idx_b, sub)), out
+      if whole:
+        return sub, out
+      return rows_lib.put(batch, idx_b, sub, (start_b, written)), out
 
     return jax.jit(step, donate_argnums=(3,), out_shardings=self._out)

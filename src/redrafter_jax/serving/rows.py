@@ -34,10 +34,15 @@ def take(batch, idx_b: jax.Array, width: int | None = None):
   return rest.replace(state=rest.state.replace(cache=sub_cache))
 
 
-def put(batch, idx_b: jax.Array, sub):
+def put(batch, idx_b: jax.Array, sub, window: tuple[jax.Array, int] | None = None):
   """``batch`` with rows ``idx_b`` replaced by the rows of ``sub`` (scalars taken from ``sub``;
-  a cache of ``width`` slots replaces the first ``width``)."""
-  new_cache = kvc.put_rows(batch.state.cache, idx_b, sub.state.cache)
+  a cache of ``width`` slots replaces the first ``width``). ``window``: ``(start_b, size)``,
+  the only cache slots ``sub`` changed (a step writes its tree from each row's length on):
+  only those are written back (``kv_cache.put_window``)."""
+  if window is None:
+    new_cache = kvc.put_rows(batch.state.cache, idx_b, sub.state.cache)
+  else:
+    new_cache = kvc.put_window(batch.state.cache, idx_b, sub.state.cache, *window)
   strip = lambda b: b.replace(state=b.state.replace(cache=None))
   rest = jax.tree.map(lambda full, part: full.at[idx_b].set(part) if _is_row_leaf(full) else part,
                       strip(batch), strip(sub))
