@@ -167,8 +167,9 @@ def test_server_weights_follow_the_drafter_settings(tmp_path, monkeypatch):
 
 def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
   """``serve --tree auto`` (the CLI's default): a drafter with an acceptance table is served
-  with the tree predicted fastest here (step times cached per device); without a table, or
-  with ``tree="preset"``, the preset's tree."""
+  with the tree predicted fastest here (step times cached per device), and the policy starts
+  from that tree's measured tokens/step; without a table, or with ``tree="preset"``, the
+  preset's tree."""
   from flax import nnx
 
   from redrafter_jax.config import Preset
@@ -198,6 +199,11 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
   try:
     assert auto.engine.config.decode == cfg
     assert fixed.engine.config.decode == preset.decode
+    # the policy starts from the drafter's measured tokens/step for the served tree, if measured
+    assert auto.engine.config.prior_tokens_per_step == {"1x3": 1.3, "2x3+2/5": 1.1}[
+        choice.beams.text]
+    assert auto.engine.acceptance.tokens_per_step == auto.engine.config.prior_tokens_per_step
+    assert fixed.engine.config.prior_tokens_per_step is None  # 3x4 was not measured
   finally:
     auto.close()
     fixed.close()

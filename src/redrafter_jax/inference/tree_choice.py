@@ -164,6 +164,12 @@ def read_acceptance(folder) -> dict[Beams, float] | None:
   return table
 
 
+def tokens_per_step_for(table: dict[Beams, float] | None, cfg: DecodeConfig) -> float | None:
+  """The measured tokens/step of ``cfg``'s tree in ``table`` (None when it was not measured)."""
+  key = Beams(cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget or 0)
+  return (table or {}).get(key)
+
+
 # ----------------------------------------------------------------------------- the device's side
 
 

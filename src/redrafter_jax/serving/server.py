@@ -109,6 +109,18 @@ def tuned_decode(preset: Preset, llm, drafter, drafter_path: str | None = None):
   return choice.config(preset.decode)
 
 
+def measured_tokens_per_step(preset: Preset, decode, drafter_path: str | None = None
+                             ) -> float | None:
+  """The served drafter's measured tokens/step with ``decode``'s tree (its acceptance.json),
+  the policy's starting estimate of what a tree step yields; None when not measured (the
+  engine then starts from the tree's length)."""
+  from redrafter_jax.inference import tree_choice
+
+  tps = tree_choice.tokens_per_step_for(
+      tree_choice.read_acceptance(drafter_folder(preset, drafter_path)), decode)
+  return None if tps is None else min(tps, float(decode.beam_length))
+
+
 def use_compile_cache(path: str | None, devices: int | None = None) -> str | None:
   """Keep XLA's compiled programs in ``path`` (None: ``xla/`` in the model cache folder; "off":
   not at all), so a restarted server loads its warm-up programs instead of compiling them again.
@@ -166,9 +178,12 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   drafter = None
   if engine_config.speculative:
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
-    if tree == "auto" and not random_drafter:
+    if not random_drafter:
+      decode = (tuned_decode(preset, llm, drafter, drafter_path) if tree == "auto"
+                else preset.decode)
       engine_config = dataclasses.replace(
-          engine_config, decode=tuned_decode(preset, llm, drafter, drafter_path))
+          engine_config, decode=decode,
+          prior_tokens_per_step=measured_tokens_per_step(preset, decode, drafter_path))
   engine = Engine(llm, tok, drafter, config=engine_config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
   weights = jax.numpy.dtype(llm.param_dtype).name
