@@ -185,12 +185,12 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
                   decode=dict(beam_width=3, beam_length=4, max_new_tokens=16))
   drafter = Drafter(preset.drafter_config(llm_cfg), rngs=nnx.Rngs(0))
   save_drafter(drafter, tmp_path / "drafter")
-  assert server.tuned_decode(preset, llm, drafter) == preset.decode  # no acceptance table
+  assert server.served_decode(preset, llm, drafter, tree="auto")[0] == preset.decode  # no table
   tree_choice.write_acceptance(tmp_path / "drafter", {
       "1x3": dict(tokens_per_step=1.3, steps=10, tokens=13),
       "2x3+2/5": dict(tokens_per_step=1.1, steps=10, tokens=11)}, {})
   choice = tree_choice.tuned(tmp_path / "drafter", llm, drafter)  # times and caches
-  cfg = server.tuned_decode(preset, llm, drafter)
+  cfg = server.served_decode(preset, llm, drafter, tree="auto")[0]
   assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget) == (
       choice.beams.width, choice.beams.length, choice.beams.lookup, choice.beams.budget or None)
   assert cfg.max_new_tokens == 16

@@ -11,7 +11,6 @@ storing the LLM's projections (``models.linear``), interleaved prompt by prompt.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import time
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redrafter_jax.config import ConfigError, DecodeConfig, DrafterConfig
+from redrafter_jax.config import DecodeConfig, DrafterConfig
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import ReDrafter

@@ -52,8 +52,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
   import jax.numpy as jnp
 
-  from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference import tree_choice
+  from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference.decode import ReDrafter
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter

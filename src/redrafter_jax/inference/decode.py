@@ -252,14 +252,16 @@ class ReDrafter:
     while True:
       width = self.width(p, state)
       state = _loop_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
-                        self.draft_embed, state, p.params, p.stop_ids, width=width, **self._static(p))
+                        self.draft_embed, state, p.params, p.stop_ids, width=width,
+                        **self._static(p))
       if width is None or bool(jnp.all(state.done_B)):
         return state
 
   def step(self, p: Prepared, state: DecodeState) -> DecodeState:
     """The ``step`` program: one draft -> verify -> accept -> commit (``state`` is donated)."""
     return _step_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
-                     self.draft_embed, state, p.params, p.stop_ids, width=self.width(p, state), **self._static(p))
+                     self.draft_embed, state, p.params, p.stop_ids, width=self.width(p, state),
+                     **self._static(p))
 
   def __call__(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
                stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,

@@ -92,8 +92,6 @@ class Beams:
                         lookup_ngram=self.lookup, token_budget=self.budget or None, **kwargs)
 
 
-
-
 ACCEPTANCE_FILE = "acceptance.json"
 # The trees measured for a drafter when none are named: one drafter beam to four, with and
 # without the context-lookup beam, whole trees and token budgets that verify fewer tokens.
@@ -273,11 +271,18 @@ def timing_cache(root=None) -> pathlib.Path:
 def tuned(folder, llm, drafter, *, draft_vocab_size: int = 0, cache=None,
           log: Callable[[str], None] = print) -> Choice | None:
   """The tree for ``folder``'s drafter on this device: None when the drafter has no
-  acceptance table; else ``choose`` over its candidates, with step times from the per-device
-  cache (``cache``: a folder; None: ``trees/`` in the model cache) or timed now and cached."""
+  acceptance table, else ``for_device`` over it."""
   acceptance = read_acceptance(folder)
   if acceptance is None:
     return None
+  return for_device(acceptance, llm, drafter, draft_vocab_size=draft_vocab_size, cache=cache,
+                    log=log)
+
+
+def for_device(acceptance: dict[Beams, float], llm, drafter, *, draft_vocab_size: int = 0,
+               cache=None, log: Callable[[str], None] = print) -> Choice:
+  """``choose`` over the trees of an acceptance table, with step times from the per-device
+  cache (``cache``: a folder; None: ``trees/`` in the model cache) or timed now and cached."""
   trees = sorted(acceptance, key=lambda b: b.text)
   desc = device_description(llm, drafter, draft_vocab_size)
   desc["trees"] = [b.text for b in trees]

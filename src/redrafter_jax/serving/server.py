@@ -94,31 +94,28 @@ def serving_param_dtype(preset: Preset, *, drafter_path: str | None = None,
     raise ConfigError(str(e)) from None
 
 
-def tuned_decode(preset: Preset, llm, drafter, drafter_path: str | None = None):
-  """The preset's decode settings with the draft tree predicted fastest on this device
-  (``tree_choice.tuned``); the preset's own when the drafter has no acceptance table."""
+def served_decode(preset: Preset, llm, drafter, drafter_path: str | None = None, *,
+                  tree: str = "preset"):
+  """The decode settings a server runs and the policy's starting tokens/step:
+  ``(decode, prior)``. ``tree`` "auto": the preset's settings with the draft tree predicted
+  fastest on this device (``tree_choice.for_device``), the preset's own when the drafter has no
+  acceptance table; "preset": the preset's. ``prior``: the drafter's measured tokens/step for
+  the served tree (its acceptance.json), None when not measured (the engine then starts from
+  the tree's length)."""
   from redrafter_jax.inference import tree_choice
 
-  choice = tree_choice.tuned(drafter_folder(preset, drafter_path), llm, drafter,
-                             draft_vocab_size=preset.decode.draft_vocab_size, log=log.info)
-  if choice is None:
+  table = tree_choice.read_acceptance(drafter_folder(preset, drafter_path))
+  decode = preset.decode
+  if tree == "auto" and table is None:
     log.info("the drafter has no %s: serving the preset's tree", tree_choice.ACCEPTANCE_FILE)
-    return preset.decode
-  log.info("draft tree for this device: %s, predicted %.2fx AR at batch 1\n%s",
-           choice.beams.label, choice.predicted_speedup, choice.table())
-  return choice.config(preset.decode)
-
-
-def measured_tokens_per_step(preset: Preset, decode, drafter_path: str | None = None
-                             ) -> float | None:
-  """The served drafter's measured tokens/step with ``decode``'s tree (its acceptance.json),
-  the policy's starting estimate of what a tree step yields; None when not measured (the
-  engine then starts from the tree's length)."""
-  from redrafter_jax.inference import tree_choice
-
-  tps = tree_choice.tokens_per_step_for(
-      tree_choice.read_acceptance(drafter_folder(preset, drafter_path)), decode)
-  return None if tps is None else min(tps, float(decode.beam_length))
+  elif tree == "auto":
+    choice = tree_choice.for_device(table, llm, drafter,
+                                    draft_vocab_size=decode.draft_vocab_size, log=log.info)
+    log.info("draft tree for this device: %s, predicted %.2fx AR at batch 1\n%s",
+             choice.beams.label, choice.predicted_speedup, choice.table())
+    decode = choice.config(decode)
+  tps = tree_choice.tokens_per_step_for(table, decode)
+  return decode, None if tps is None else min(tps, float(decode.beam_length))
 
 
 def use_compile_cache(path: str | None, devices: int | None = None) -> str | None:
@@ -160,7 +157,7 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
   requests that do not say) to the preset's ``decode.max_new_tokens``. ``tree``: "preset" serves
   the preset's draft tree; "auto" the one predicted fastest on this device for the drafter
-  (``tree_choice.tuned``, batch 1; the preset's when the drafter has no acceptance table).
+  (``served_decode``, batch 1; the preset's when the drafter has no acceptance table).
   """
   from redrafter_jax.weights import tokenizer as tokenizer_lib
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
@@ -179,11 +176,9 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   if engine_config.speculative:
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
     if not random_drafter:
-      decode = (tuned_decode(preset, llm, drafter, drafter_path) if tree == "auto"
-                else preset.decode)
-      engine_config = dataclasses.replace(
-          engine_config, decode=decode,
-          prior_tokens_per_step=measured_tokens_per_step(preset, decode, drafter_path))
+      decode, prior = served_decode(preset, llm, drafter, drafter_path, tree=tree)
+      engine_config = dataclasses.replace(engine_config, decode=decode,
+                                          prior_tokens_per_step=prior)
   engine = Engine(llm, tok, drafter, config=engine_config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
   weights = jax.numpy.dtype(llm.param_dtype).name
