@@ -206,3 +206,19 @@ def test_bf16_weights_draft_from_a_float32_table_made_once(drafter):
   assert rd(PROMPTS).tokens == ar.tokens
   assert rd.stepwise(PROMPTS).tokens == ar.tokens
   assert decode_lib.ReDrafter(tiny_llm(), drafter, DecodeConfig()).draft_embed is None
+
+
+def test_scanned_layers_decode_like_the_unrolled_model(llm, drafter, ar_greedy):
+  """A model that scans over its layers (``stack_layers``, a stacked KV cache) decodes the same
+  greedy tokens as AR with the unrolled model: the looped program, its Python-loop twin, and
+  across context buckets (programs that read a slice of the stacked cache)."""
+  from redrafter_jax.models.llama import stack_layers
+
+  scanned = stack_layers(nnx.clone(llm))
+  cfg = DecodeConfig(beam_width=3, beam_length=4, max_new_tokens=24)
+  assert decode(scanned, drafter, PROMPTS, cfg).tokens == ar_greedy.tokens
+  assert decode_stepwise(scanned, drafter, PROMPTS, cfg).tokens == ar_greedy.tokens
+  prompts = [[1, 2, 3, 4, 5], list(range(1, 30))]
+  rd = decode_lib.ReDrafter(scanned, drafter, DecodeConfig(beam_width=2, beam_length=3,
+                                                           max_new_tokens=40), min_bucket=16)
+  assert rd(prompts, cache_size=128).tokens == generate(llm, prompts, max_new_tokens=40).tokens

@@ -11,6 +11,7 @@ from flax import nnx
 
 import tiny_models
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models import llama
 
 S = 64  # cache slots
 
@@ -66,10 +67,11 @@ def prefill(model, prompts):
   return logits[np.arange(B), lengths - 1], cache
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+@pytest.fixture(scope="module", params=["unrolled", "scanned"])
+def model(request, tmp_path_factory):
+  """The tiny model, its layers unrolled or scanned (``stack_layers``: a stacked cache)."""
   model, _, _ = tiny_models.load_tiny(tmp_path_factory.mktemp("tiny"), "llama", seed=1)
-  return model
+  return llama.stack_layers(model) if request.param == "scanned" else model
 
 
 tokens = tiny_models.random_tokens
@@ -314,3 +316,60 @@ def test_put_window_writes_back_only_the_step_slots(layout):
       np.testing.assert_array_equal(n, want)
   with pytest.raises(kvc.CacheError, match="put_window"):
     kvc.put_window(cache, idx, changed, start[:2], N)
+
+
+def _random_cache(rng, L, B, S, K, E, layout, lengths):
+  cache = kvc.init(L, B, S, K, E, layout=layout)
+  return cache.replace(k=tuple(jnp.asarray(rng.normal(size=k.shape), k.dtype) for k in cache.k),
+                       v=tuple(jnp.asarray(rng.normal(size=v.shape), v.dtype) for v in cache.v),
+                       lengths_B=jnp.asarray(lengths, jnp.int32))
+
+
+def _stack(cache):
+  return cache.replace(k=(jnp.stack(cache.k),), v=(jnp.stack(cache.v),), stacked=True)
+
+
+def _assert_same_layers(stacked, per_layer):
+  assert stacked.stacked and not per_layer.stacked
+  assert (stacked.num_layers, stacked.size, stacked.batch, stacked.num_kv_heads) == (
+      per_layer.num_layers, per_layer.size, per_layer.batch, per_layer.num_kv_heads)
+  np.testing.assert_array_equal(stacked.lengths_B, per_layer.lengths_B)
+  for i in range(per_layer.num_layers):
+    for got, want in zip(stacked.layer(i), per_layer.layer(i)):
+      np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", kvc.LAYOUTS)
+def test_stacked_cache_ops_equal_per_layer_ops(layout):
+  """A stacked cache (one [L, ...] array, what a scan over layers carries) gives the same
+  values as the per-layer cache under every operation, with the layer index traced where a
+  scan traces it."""
+  L, B, S, K, E = 3, 4, 12, 2, 4
+  rng = np.random.default_rng(2)
+  cache = _random_cache(rng, L, B, S, K, E, layout, [2, 5, 1, 3])
+  stacked = _stack(cache)
+  _assert_same_layers(stacked, cache)
+  assert stacked.head_axis == cache.head_axis + 1 == kvc.HEAD_AXIS[layout] + 1
+  empty = kvc.init(L, B, S, K, E, layout=layout, stacked=True)
+  assert empty.stacked and empty.k[0].shape == (L, *cache.k[0].shape)
+  new_BTKE = jnp.asarray(rng.normal(size=(B, 3, K, E)), jnp.float32)
+  written = kvc.write_layer(cache, 1, new_BTKE, -new_BTKE)
+  traced = jax.jit(lambda c, i: kvc.write_layer(c, i, new_BTKE, -new_BTKE))(stacked, 1)
+  _assert_same_layers(traced, written)
+  width = 8
+  for i in range(L):
+    got = jax.jit(lambda c, i: c.layer(i, width))(traced, i)
+    for g, w in zip(got, written.layer(i, width)):
+      np.testing.assert_array_equal(g, w)
+  path_BA, num_B = jnp.array([[0, 2], [1, 0], [2, 1], [0, 1]]), jnp.array([2, 1, 0, 2])
+  _assert_same_layers(kvc.commit(traced, path_BA, num_B), kvc.commit(written, path_BA, num_B))
+  idx = jnp.array([3, 0], jnp.int32)
+  sub, sub_stacked = kvc.take_rows(cache, idx, width), kvc.take_rows(stacked, idx, width)
+  _assert_same_layers(sub_stacked, sub)
+  bumped = lambda c: c.replace(k=tuple(k + 1 for k in c.k), lengths_B=c.lengths_B + 1)
+  _assert_same_layers(kvc.put_rows(stacked, idx, bumped(sub_stacked)),
+                      kvc.put_rows(cache, idx, bumped(sub)))
+  _assert_same_layers(kvc.put_window(stacked, idx, bumped(sub_stacked), sub.lengths_B, 3),
+                      kvc.put_window(cache, idx, bumped(sub), sub.lengths_B, 3))
+  with pytest.raises(kvc.CacheError, match="stacked"):
+    kvc.put_rows(stacked, idx, sub)

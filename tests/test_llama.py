@@ -18,7 +18,7 @@ from tiny_models import forward
 from redrafter_jax import sharding
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.models import kv_cache as kvc
-from redrafter_jax.models import linear
+from redrafter_jax.models import linear, llama
 from redrafter_jax.models.attention import BackendError, attend, check_backend
 from redrafter_jax.weights.llama_weights import load_llama
 
@@ -171,6 +171,66 @@ def test_sharding_rules_follow_the_layout():
                        ("lm_head", P("model", None), P(None, "model"))]:
     assert sharding.spec_for(f"{name}.weight", (4, 4), mesh) == oi
     assert sharding.spec_for(f"{name}.kernel", (4, 4), mesh) == io
+
+
+@pytest.mark.parametrize("kind", tiny_models.KINDS)
+def test_scanned_layers_compute_the_same_model(tmp_path, kind):
+  """``stack_layers`` runs the layers as one scanned body over stacked parameters: the same
+  logits (float32 rounding) as the unrolled model and as transformers', cached decoding gives
+  the same greedy tokens, and the parameters are the layers' own, stacked."""
+  model, cfg, hf = tiny_models.load_tiny(tmp_path, kind)
+  tokens_BT = random_tokens(3, (2, 24))
+  unrolled = forward(model, tokens_BT)
+  per_layer = {n: np.asarray(v) for n, v in _named(model).items() if n.startswith("layers.")}
+  scanned = llama.stack_layers(nnx.clone(model))
+  assert scanned.scan_layers and llama.stack_layers(scanned) is scanned
+  names = _named(scanned)
+  for name, value in names.items():
+    if name.startswith("layers."):
+      rest = name[len("layers."):]
+      assert value.shape[0] == cfg.num_layers, name
+      for i in range(cfg.num_layers):
+        np.testing.assert_array_equal(value[i], per_layer[f"layers.{i}.{rest}"])
+  assert len(names) == len(_named(model)) - (cfg.num_layers - 1) * len(
+      [n for n in per_layer if n.startswith("layers.0.")])
+  np.testing.assert_allclose(forward(scanned, tokens_BT), unrolled, rtol=1e-5, atol=1e-5)
+  assert tiny_models.rel_err(forward(scanned, tokens_BT),
+                             tiny_models.hf_logits(hf, tokens_BT)) < 1e-4
+  prompts = [list(tokens_BT[0, :9]), list(tokens_BT[1, :4])]
+  assert generate(scanned, prompts, max_new_tokens=12).tokens == generate(
+      model, prompts, max_new_tokens=12).tokens
+  other = "oi" if next(m for _, m in nnx.iter_modules(scanned)
+                       if isinstance(m, linear.Dense)).layout == "io" else "io"
+  np.testing.assert_allclose(forward(linear.to_layout(scanned, other), tokens_BT), unrolled,
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(kvc.CacheError, match="stacked KV cache"):
+    mask = kvc.visible_mask(jnp.zeros((1,), jnp.int32), jnp.ones((1, 1, 1), bool), 8)
+    scanned(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), mask,
+            model.init_cache(1, 8))
+
+
+def _named(model) -> dict:
+  return {sharding.path_name(path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
+
+
+def test_sharding_splits_scanned_layers_past_their_layer_axis():
+  """Stacked layers (``layers.mlp.up_proj.weight``, [L, out, in]) keep the layer axis whole
+  and split the rest by the per-layer rules; a scanned model placed on a (data, model) mesh
+  computes what it computed on one device."""
+  mesh = sharding.make_mesh(data=4, model=2)
+  P = jax.sharding.PartitionSpec
+  assert sharding.spec_for("layers.mlp.up_proj.weight", (3, 4, 4), mesh) == P(None, "model", None)
+  assert sharding.spec_for("layers.mlp.down_proj.kernel", (3, 4, 4), mesh) == P(None, "model", None)
+  assert sharding.spec_for("layers.2.mlp.up_proj.weight", (4, 4), mesh) == P("model", None)
+  assert sharding.spec_for("layers.input_layernorm.scale", (3, 4), mesh) == P()
+  model = llama.stack_layers(tiny_models.tiny_llm())
+  tokens_BT = random_tokens(5, (4, 12), tiny_models.TINY_VOCAB)
+  want = forward(model, tokens_BT)
+  sharding.shard_module(model, mesh)
+  q = model.layers.self_attn.q_proj.matrix[...]
+  assert q.sharding.spec[0] is None and "model" in tuple(q.sharding.spec)
+  np.testing.assert_allclose(forward(model, tokens_BT), want, rtol=1e-5, atol=1e-5)
 
 
 # --- attention backends ----------------------------------------------------------------------

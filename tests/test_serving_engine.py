@@ -318,6 +318,25 @@ def test_engine_serves_from_every_cache_layout(tok, random_drafter, reference, l
     engine.stop()
 
 
+def test_scanned_layers_serve_split_over_devices(tok, random_drafter, reference):
+  """A model that scans over its layers serves from a stacked slot-batch cache, split over kv
+  heads past its layer axis on a 2-device mesh: decode()'s greedy tokens."""
+  from redrafter_jax.models.llama import stack_layers
+
+  assert LLM_CFG.num_kv_heads % 2 == 0  # so that the cache splits over 2 devices
+  llm = stack_layers(Llama(LLM_CFG, rngs=nnx.Rngs(0)))  # the fixture's weights
+  engine = Engine(llm, tok, random_drafter, config=ECFG, stop_ids=[EOS],
+                  mesh=serving_mesh(2)).start()
+  try:
+    cache = engine._place.batch.state.cache
+    assert cache.stacked and cache.num_layers == LLM_CFG.num_layers
+    spec = cache.k[0].sharding.spec
+    assert spec[cache.head_axis] == "model" and spec[0] is None, spec
+    assert_serves_decode(engine, reference, [0, 2, 6, 13, 4])
+  finally:
+    engine.stop()
+
+
 def test_bf16_weights_serve_with_a_float32_draft_table(tok, random_drafter):
   """With bfloat16 weights the server's drafter reads a float32 copy of the embedding table
   (made once, not converted at every step) and serves decode()'s greedy tokens."""

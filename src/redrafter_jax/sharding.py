@@ -89,11 +89,18 @@ def path_name(path) -> str:
   return ".".join(parts)
 
 
+_STACKED = re.compile(r"(^|\.)layers\.(?!\d)")  # ``layers.mlp...``: no index, [L, ...]
+
+
 def spec_for(name: str, shape: Sequence[int], mesh: Mesh,
              rules: Sequence[tuple[str, P]] = LLAMA_RULES) -> P:
-  """The partition spec of parameter ``name``; axes that do not divide a dimension are dropped."""
+  """The partition spec of parameter ``name``; axes that do not divide a dimension are dropped.
+  Layers stacked for a scan (``llama.stack_layers``: a name without a layer index) keep their
+  leading layer axis whole and split the rest by the same rules."""
   for pattern, spec in rules:
     if re.search(pattern, name):
+      if _STACKED.search(name):
+        spec = P(None, *spec)
       fitted = []
       for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
         fitted.append(axis if axis is None or dim % mesh.shape[axis] == 0 else None)

@@ -25,8 +25,14 @@ def main(argv: list[str] | None = None) -> int:
   if name not in names:
     print(f"error: unknown benchmark {name!r}; available: {', '.join(names)}", file=sys.stderr)
     return 2
+  from redrafter_jax.errors import user_errors
+
   module = importlib.import_module(f"redrafter_jax.bench.{name}")
-  return int(module.main(argv[1:]) or 0)
+  try:
+    return int(module.main(argv[1:]) or 0)
+  except user_errors() as e:  # the user's to fix: one line, not a traceback
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

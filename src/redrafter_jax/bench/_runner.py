@@ -10,36 +10,21 @@ from __future__ import annotations
 
 import copy
 import datetime
-import functools
 import os
 import platform
 
+from redrafter_jax.bench._compiles import programs_compiled
 from redrafter_jax.bench.ar import clock, load_average, load_hf
 
 CACHE_MULTIPLE = 512
 
 
-_COMPILES = [0]
-
-
-@functools.cache
-def _watch_compiles() -> None:
-  import jax
-
-  def on_event(name, secs, **kwargs):
-    if name == "/jax/core/compile/backend_compile_duration":
-      _COMPILES[0] += 1
-
-  jax.monitoring.register_event_duration_secs_listener(on_event)
-
-
 def timed(fn, tries: int = 3):
   """``(fn(), seconds)`` of a call that compiled nothing (the first call of a shape compiles)."""
-  _watch_compiles()
   for _ in range(tries):
-    before = _COMPILES[0]
+    before = programs_compiled()
     out, secs = clock(fn)
-    if _COMPILES[0] == before:
+    if programs_compiled() == before:
       return out, secs
   raise RuntimeError(f"JAX still compiled on call {tries}: shapes are not static")
 

@@ -27,6 +27,11 @@ split over kv heads (tensor parallel serving) a split of the leading axis. Each 
 its own buffer so a layer's update is in place, where one stacked ``[layers, ...]`` array is
 copied whole (README, "Layout").
 
+Stacked (``stacked=True``): ``k``/``v`` each hold ONE array ``[L, ...]`` (the layout's shape with
+a leading layer axis), which is what a model that scans over its layers carries through the scan
+(``llama.stack_layers``): layer ``i`` may then be a traced index. Every function below takes
+both forms and gives the same values.
+
 Attention cost follows the used length: ``layer(i, width)`` is the first ``width`` slots of a
 layer, and a forward whose mask is ``[B, T, width]`` reads only those (``context_bucket`` picks
 ``width`` from a few powers of two, given the longest row).
@@ -63,10 +68,16 @@ class KVCache:
   v: tuple[jax.Array, ...]  # per layer, in ``layout`` (XES: [X, S, E])
   lengths_B: jax.Array  # int32 [B], committed slots per row
   layout: str = struct.field(pytree_node=False, default="XES")
+  stacked: bool = struct.field(pytree_node=False, default=False)  # k/v: one [L, ...] array each
+
+  @property
+  def _lead(self) -> int:
+    """Axes before the layout's own: 1 (the layer axis) when stacked."""
+    return int(self.stacked)
 
   @property
   def size(self) -> int:
-    return self.v[0].shape[_SLOT_AXIS[self.layout]]
+    return self.v[0].shape[self._lead + _SLOT_AXIS[self.layout]]
 
   @property
   def batch(self) -> int:
@@ -74,18 +85,29 @@ class KVCache:
 
   @property
   def num_kv_heads(self) -> int:
-    v = self.v[0]
-    return {"XES": lambda: v.shape[0] // self.batch, "BSKE": lambda: v.shape[2],
-            "BKSE": lambda: v.shape[1]}[self.layout]()
+    shape = self.v[0].shape[self._lead:]
+    return {"XES": lambda: shape[0] // self.batch, "BSKE": lambda: shape[2],
+            "BKSE": lambda: shape[1]}[self.layout]()
 
   @property
   def num_layers(self) -> int:
-    return len(self.k)
+    return self.k[0].shape[0] if self.stacked else len(self.k)
 
-  def layer(self, i: int, width: int | None = None) -> tuple[jax.Array, jax.Array]:
+  @property
+  def head_axis(self) -> int:
+    """The axis of a k/v array that a split over kv heads cuts (``HEAD_AXIS``, after the layer
+    axis when stacked)."""
+    return self._lead + HEAD_AXIS[self.layout]
+
+  def layer(self, i, width: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Layer ``i``'s ``(k, v)`` as attention consumes them: the first ``width`` slots (all when
-    None). A slice of the slot axis: its cost follows ``width``, not the cache's size."""
-    k, v = self.k[i], self.v[i]
+    None). A slice of the slot axis: its cost follows ``width``, not the cache's size. When
+    stacked, ``i`` may be traced (a scan over layers)."""
+    if self.stacked:
+      k = jax.lax.dynamic_index_in_dim(self.k[0], i, 0, keepdims=False)
+      v = jax.lax.dynamic_index_in_dim(self.v[0], i, 0, keepdims=False)
+    else:
+      k, v = self.k[i], self.v[i]
     if width is None or width == self.size:
       return k, v
     if not 0 < width <= self.size:
@@ -97,7 +119,18 @@ class KVCache:
 
   def layer_BKSE(self, i: int) -> tuple[jax.Array, jax.Array]:
     """Layer ``i``'s keys and values in the conventional ``[B, K, S, E]`` layout (a copy)."""
-    return to_BKSE(self.k[i], self.v[i], self.batch, self.layout)
+    return to_BKSE(*self.layer(i), self.batch, self.layout)
+
+
+def _each_layer(cache: KVCache, fn, *arrays):
+  """``fn(k, v, *rest) -> (k, v)`` applied to every layer: ``arrays`` are k/v tuples (of
+  ``cache``, or of a cache of the same form); returns the new ``(k, v)`` tuples. A stacked
+  cache maps ``fn`` over its layer axis (one batched op per array, in place as before)."""
+  if cache.stacked:
+    k, v = jax.vmap(fn)(*(a[0] for a in arrays))
+    return (k,), (v,)
+  out = [fn(*layer) for layer in zip(*arrays)]
+  return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
 def to_BKSE(k, v, batch: int, layout: str) -> tuple[jax.Array, jax.Array]:
@@ -130,14 +163,19 @@ def as_BKSE(k_XES: jax.Array, v_XSE: jax.Array, batch: int) -> tuple[jax.Array, 
 
 
 def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
-         dtype=jnp.float32, layout: str = "XES") -> KVCache:
+         dtype=jnp.float32, layout: str = "XES", stacked: bool = False) -> KVCache:
   check_layout(layout)
   B, S, K, E = batch, size, num_kv_heads, head_dim
   shape_k, shape_v = {"XES": ((K * B, E, S), (K * B, S, E)), "BSKE": ((B, S, K, E),) * 2,
                       "BKSE": ((B, K, S, E),) * 2}[layout]
-  return KVCache(k=tuple(jnp.zeros(shape_k, dtype) for _ in range(num_layers)),
-                 v=tuple(jnp.zeros(shape_v, dtype) for _ in range(num_layers)),
-                 lengths_B=jnp.zeros((batch,), jnp.int32), layout=layout)
+  if stacked:
+    k = (jnp.zeros((num_layers, *shape_k), dtype),)
+    v = (jnp.zeros((num_layers, *shape_v), dtype),)
+  else:
+    k = tuple(jnp.zeros(shape_k, dtype) for _ in range(num_layers))
+    v = tuple(jnp.zeros(shape_v, dtype) for _ in range(num_layers))
+  return KVCache(k=k, v=v, lengths_B=jnp.zeros((batch,), jnp.int32), layout=layout,
+                 stacked=stacked)
 
 
 def _heads(B: int, T: int, K: int, rows_B: jax.Array | None = None,
@@ -154,25 +192,28 @@ def _per_head(x_BT: jax.Array, K: int) -> jax.Array:
   return jnp.broadcast_to(x_BT[:, :, None], (*x_BT.shape, K))
 
 
-def _put(cache: KVCache, k_BTKE, v_BTKE, slots_BT, k, v, *, mode="drop", rows_B=None):
+def _put(cache: KVCache, k_BTKE, v_BTKE, slots_BT, k, v, *, mode="drop", rows_B=None,
+         layer=None):
   """``(k, v)`` of one layer with ``[B, T, K, E]`` values set at slots ``slots_BT`` of each row
-  (of rows ``rows_B`` of ``cache``; default: rows 0..B-1).
+  (of rows ``rows_B`` of ``cache``; default: rows 0..B-1). With ``layer`` (an index, may be
+  traced), ``k``/``v`` are stacked ``[L, ...]`` arrays and layer ``layer`` of them is written.
 
   Advanced indices address exactly ``[B, T, K, E]`` in every layout: XES indexes axes 0 and 2
   of k around a slice (0 and 1 of v); BSKE axes 0 and 1; BKSE axes 0 and 2 around the heads'
-  slice, which NumPy's rules move to the front.
+  slice, which NumPy's rules move to the front (a layer index in front changes none of this).
   """
   B, T, K, _ = k_BTKE.shape
+  at = (lambda *index: index) if layer is None else (lambda *index: (layer, *index))
   if cache.layout == "XES":
     x_BTK, s_BTK = _heads(B, T, K, rows_B, cache.batch), _per_head(slots_BT, K)
-    return (k.at[x_BTK, :, s_BTK].set(k_BTKE.astype(k.dtype), mode=mode),
-            v.at[x_BTK, s_BTK].set(v_BTKE.astype(v.dtype), mode=mode))
+    return (k.at[at(x_BTK, slice(None), s_BTK)].set(k_BTKE.astype(k.dtype), mode=mode),
+            v.at[at(x_BTK, s_BTK)].set(v_BTKE.astype(v.dtype), mode=mode))
   b_BT = jnp.broadcast_to((jnp.arange(B) if rows_B is None else rows_B)[:, None], (B, T))
   if cache.layout == "BSKE":
-    return (k.at[b_BT, slots_BT].set(k_BTKE.astype(k.dtype), mode=mode),
-            v.at[b_BT, slots_BT].set(v_BTKE.astype(v.dtype), mode=mode))
-  return (k.at[b_BT, :, slots_BT].set(k_BTKE.astype(k.dtype), mode=mode),
-          v.at[b_BT, :, slots_BT].set(v_BTKE.astype(v.dtype), mode=mode))
+    return (k.at[at(b_BT, slots_BT)].set(k_BTKE.astype(k.dtype), mode=mode),
+            v.at[at(b_BT, slots_BT)].set(v_BTKE.astype(v.dtype), mode=mode))
+  return (k.at[at(b_BT, slice(None), slots_BT)].set(k_BTKE.astype(k.dtype), mode=mode),
+          v.at[at(b_BT, slice(None), slots_BT)].set(v_BTKE.astype(v.dtype), mode=mode))
 
 
 def _take(cache: KVCache, k, v, slots_BT, K: int):
@@ -187,14 +228,18 @@ def _take(cache: KVCache, k, v, slots_BT, K: int):
   return k[b_BT, :, slots_BT], v[b_BT, :, slots_BT]
 
 
-def write_layer(cache: KVCache, layer: int, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
+def write_layer(cache: KVCache, layer, k_BTKE: jax.Array, v_BTKE: jax.Array) -> KVCache:
   """Write one layer's new K/V at each row's first uncommitted slot (no commit).
 
-  A scatter with explicit (row, slot) indices, in place on the layer's buffers. Slots past the
-  cache's end are dropped (never clamped back onto committed slots).
+  A scatter with explicit (row, slot) indices, in place on the layer's buffers (on the stacked
+  array's layer ``layer``, which may be traced, when stacked). Slots past the cache's end are
+  dropped (never clamped back onto committed slots).
   """
   T = k_BTKE.shape[1]
   slots_BT = cache.lengths_B[:, None] + jnp.arange(T)[None, :]
+  if cache.stacked:
+    k, v = _put(cache, k_BTKE, v_BTKE, slots_BT, cache.k[0], cache.v[0], layer=layer)
+    return cache.replace(k=(k,), v=(v,))
   k, v = _put(cache, k_BTKE, v_BTKE, slots_BT, cache.k[layer], cache.v[layer])
   put = lambda layers, c: layers[:layer] + (c,) + layers[layer + 1:]
   return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
@@ -262,9 +307,8 @@ def commit(cache: KVCache, path_BA: jax.Array, num_B: jax.Array) -> KVCache:
     k_BAKE, v_BAKE = _take(cache, k, v, src_BA, K)
     return _put(cache, k_BAKE, v_BAKE, dst_BA, k, v)
 
-  moved = [move(k, v) for k, v in zip(cache.k, cache.v)]
-  return cache.replace(k=tuple(m[0] for m in moved), v=tuple(m[1] for m in moved),
-                       lengths_B=cache.lengths_B + num_B.astype(jnp.int32))
+  k, v = _each_layer(cache, move, cache.k, cache.v)
+  return cache.replace(k=k, v=v, lengths_B=cache.lengths_B + num_B.astype(jnp.int32))
 
 
 def _row_index(cache: KVCache, idx_b: jax.Array) -> jax.Array:
@@ -276,11 +320,12 @@ def _row_index(cache: KVCache, idx_b: jax.Array) -> jax.Array:
 
 
 def _slot_index(cache: KVCache, at: jax.Array, width: int, *, keys: bool) -> tuple:
-  """Index of leading-axis rows ``at`` and the first ``width`` slots of a k (or v) array."""
+  """Index of leading-axis rows ``at`` and the first ``width`` slots of a k (or v) array (of
+  every layer, when stacked)."""
   axis = {"XES": 2, "BSKE": 1, "BKSE": 2}[cache.layout] if keys else _SLOT_AXIS[cache.layout]
   index = [slice(None)] * (3 if cache.layout == "XES" else 4)
   index[0], index[axis] = at, slice(0, width)
-  return tuple(index)
+  return (slice(None),) * cache._lead + tuple(index)
 
 
 def take_rows(cache: KVCache, idx_b: jax.Array, width: int | None = None) -> KVCache:
@@ -296,6 +341,14 @@ def take_rows(cache: KVCache, idx_b: jax.Array, width: int | None = None) -> KVC
                        lengths_B=cache.lengths_B[idx_b])
 
 
+def _form(cache: KVCache) -> str:
+  return f"layout {cache.layout!r}" + (", stacked" if cache.stacked else "")
+
+
+def _same_form(a: KVCache, b: KVCache) -> bool:
+  return a.layout == b.layout and a.stacked == b.stacked
+
+
 def put_rows(cache: KVCache, idx_b: jax.Array, rows: KVCache) -> KVCache:
   """``cache`` with the first T slots of rows ``idx_b`` replaced by ``rows`` (``b`` rows of
   ``T <= size`` slots: ``take_rows``' inverse, or a prefill), lengths included; an index
@@ -303,9 +356,9 @@ def put_rows(cache: KVCache, idx_b: jax.Array, rows: KVCache) -> KVCache:
   on the array as it is (no reshape), so a donated buffer is updated in place (XLA:CPU copies a
   whole buffer whose in-place update feeds a reshape)."""
   b, T = rows.batch, rows.size
-  if rows.layout != cache.layout or idx_b.shape != (b,) or T > cache.size:
-    raise CacheError(f"put_rows: needs rows of layout {cache.layout!r} and at most "
-                     f"{cache.size} slots, one index per row; got layout {rows.layout!r}, "
+  if not _same_form(rows, cache) or idx_b.shape != (b,) or T > cache.size:
+    raise CacheError(f"put_rows: needs rows of {_form(cache)} and at most "
+                     f"{cache.size} slots, one index per row; got {_form(rows)}, "
                      f"{T} slots, indices {idx_b.shape}")
   B, K = cache.batch, cache.num_kv_heads
   dropped = idx_b >= B
@@ -330,9 +383,9 @@ def put_window(cache: KVCache, idx_b: jax.Array, rows: KVCache, start_b: jax.Arr
   layer instead of the whole context ``put_rows`` writes. Slots past ``rows``' width are not
   written."""
   b = rows.batch
-  if rows.layout != cache.layout or idx_b.shape != (b,) or start_b.shape != (b,):
-    raise CacheError(f"put_window: needs rows of layout {cache.layout!r}, one index and one "
-                     f"start per row; got layout {rows.layout!r}, indices {idx_b.shape}, "
+  if not _same_form(rows, cache) or idx_b.shape != (b,) or start_b.shape != (b,):
+    raise CacheError(f"put_window: needs rows of {_form(cache)}, one index and one "
+                     f"start per row; got {_form(rows)}, indices {idx_b.shape}, "
                      f"starts {start_b.shape}")
   K = cache.num_kv_heads
   slots_bT = start_b[:, None] + jnp.arange(size)[None, :]
@@ -343,6 +396,5 @@ def put_window(cache: KVCache, idx_b: jax.Array, rows: KVCache, start_b: jax.Arr
     to_bT = jnp.where(slots_bT < rows.size, slots_bT, cache.size)
     return _put(cache, k_bTKE, v_bTKE, to_bT, full_k, full_v, rows_B=idx_b)
 
-  moved = [put(*a) for a in zip(cache.k, cache.v, rows.k, rows.v)]
-  return cache.replace(k=tuple(m[0] for m in moved), v=tuple(m[1] for m in moved),
-                       lengths_B=cache.lengths_B.at[idx_b].set(rows.lengths_B))
+  k, v = _each_layer(cache, put, cache.k, cache.v, rows.k, rows.v)
+  return cache.replace(k=k, v=v, lengths_B=cache.lengths_B.at[idx_b].set(rows.lengths_B))

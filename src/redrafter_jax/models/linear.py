@@ -187,7 +187,7 @@ def to_layout(model: nnx.Module, layout: str) -> nnx.Module:
     if isinstance(module, Dense) and module.layout != layout:
       w = module.matrix[...]
       delattr(module, PARAM_NAME[module.layout])
-      setattr(module, PARAM_NAME[layout], nnx.Param(jnp.swapaxes(w, 0, 1)))
+      setattr(module, PARAM_NAME[layout], nnx.Param(jnp.swapaxes(w, -1, -2)))
       module.layout = layout
   return model
 

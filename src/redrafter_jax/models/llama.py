@@ -11,6 +11,12 @@ width is how many slots attention reads: a mask narrower than the cache (a conte
 ``cache=None`` the forward attends only among the T tokens (``mask_BTS`` is then ``[B, T, T]``),
 which is what training uses. ``hidden`` is taken AFTER the final norm: it is the drafter's input.
 
+Layers run unrolled by default (XLA sees 30 distinct layers: the fastest steps, the longest
+compiles). ``stack_layers`` turns a model into one whose layers are a single ``DecoderLayer``
+with stacked ``[L, ...]`` parameters, run by a ``jax.lax.scan``: each program compiles one layer
+body whatever the depth, which is what deep models want; its KV cache is stacked to match
+(``kv_cache``, "Stacked"). Same function, same parameter values.
+
 Parameter names and layouts mirror Hugging Face's (``layers.3.self_attn.q_proj.weight``,
 ``[out, in]``) so the name tables in ``weights/`` stay one line per tensor. ``dtype`` is the
 activations' (and KV cache's) dtype, ``param_dtype`` the weights' (default: ``dtype``); float32
@@ -138,6 +144,14 @@ class DecoderLayer(nnx.Module):
     return x_BTD, cache
 
 
+def _as_bits(w: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
+
+
+def _from_bits(w: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(w, dtype) if w.dtype != dtype else w
+
+
 class Llama(nnx.Module):
   """The base LLM. ``backend`` picks the attention implementation (``attention.BACKENDS``) and
   with it the KV cache's layout (``init_cache``);
@@ -154,6 +168,7 @@ class Llama(nnx.Module):
     self.param_dtype = param_dtype
     self.backend = backend
     self.cache_layout = cache_layout  # None: the backend's (only ``xla`` reads every layout)
+    self.scan_layers = False  # ``stack_layers`` sets it (and stacks ``layers``)
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
     self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -171,8 +186,27 @@ class Llama(nnx.Module):
     """Run the decoder; returns ``(hidden_BTD, cache)`` with hidden after the final norm."""
     x_BTD = self.embed_tokens(tokens_BT)
     cos_BTE, sin_BTE = rope_cos_sin(positions_BT, rope_inv_freq(self.config), self.dtype)
-    for i, layer in enumerate(self.layers):
-      x_BTD, cache = layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i, self.backend)
+    if not self.scan_layers:
+      for i, layer in enumerate(self.layers):
+        x_BTD, cache = layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i, self.backend)
+      return self.norm(x_BTD), cache
+    if cache is not None and not cache.stacked:
+      raise kvc.CacheError("a model that scans over its layers needs a stacked KV cache "
+                           "(its init_cache makes one)")
+    graphdef, params_L = nnx.split(self.layers)
+    # XLA:CPU slices bfloat16 arrays by converting them ALL to float32 first (before the loop, at
+    # every call): the scan slices the weights' bits (uint16) instead, free both ways.
+    dtypes = jax.tree.map(lambda w: w.dtype, params_L)
+    params_L = jax.tree.map(_as_bits, params_L)
+
+    def one_layer(carry, bits):
+      x_BTD, cache, i = carry
+      params = jax.tree.map(_from_bits, bits, dtypes)
+      x_BTD, cache = nnx.merge(graphdef, params)(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i,
+                                                  self.backend)
+      return (x_BTD, cache, i + 1), None
+
+    (x_BTD, cache, _), _ = jax.lax.scan(one_layer, (x_BTD, cache, jnp.int32(0)), params_L)
     return self.norm(x_BTD), cache
 
   def logits(self, hidden_xD: jax.Array) -> jax.Array:
@@ -199,7 +233,23 @@ class Llama(nnx.Module):
     c = self.config
     layout = layout or self.cache_layout or cache_layout(self.backend)
     return kvc.init(c.num_layers, batch, size, c.num_kv_heads, c.head_dim,
-                    cache_dtype(self.backend, self.dtype), layout)
+                    cache_dtype(self.backend, self.dtype), layout, stacked=self.scan_layers)
+
+
+def stack_layers(model: Llama) -> Llama:
+  """Make ``model`` scan over its layers (in place; also returned): its ``layers`` become one
+  ``DecoderLayer`` whose parameters are the layers' stacked on a leading axis (a copy of the
+  layer weights, once), and its caches stacked (``init_cache``). Parameter names lose the layer
+  index (``layers.mlp.up_proj.weight``, shape ``[L, ...]``); ``sharding`` knows that axis."""
+  if model.scan_layers:
+    return model
+  splits = [nnx.split(layer) for layer in model.layers]
+  if len({graphdef for graphdef, _ in splits}) != 1:
+    raise ValueError("stack_layers: the layers differ in structure (weight layouts?)")
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
+  model.layers = nnx.merge(splits[0][0], stacked)
+  model.scan_layers = True
+  return model
 
 
 def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,

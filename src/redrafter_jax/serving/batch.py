@@ -53,13 +53,15 @@ class StepOut:
 
 
 def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
-          beam_length: int, *, layout: str = "XES", cache_dtype=None) -> SlotBatch:
+          beam_length: int, *, layout: str = "XES", cache_dtype=None,
+          stacked: bool = False) -> SlotBatch:
   """All slots free (done), caches zero, in the attention backend's ``layout`` and
-  ``cache_dtype`` (default ``dtype``): ``Llama.init_cache``'s."""
+  ``cache_dtype`` (default ``dtype``), stacked for a model that scans over its layers:
+  ``Llama.init_cache``'s form."""
   B = slots
   state = step_lib.DecodeState(
       cache=kvc.init(cfg.num_layers, B, cache_size, cfg.num_kv_heads, cfg.head_dim,
-                     cache_dtype or dtype, layout),
+                     cache_dtype or dtype, layout, stacked=stacked),
       g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, cfg.hidden_size), dtype),
       context_BS=jnp.zeros((B, cache_size), jnp.int32), out=empty_output(B, max_tokens),
       done_B=jnp.ones((B,), bool), rng=jax.random.split(jax.random.key(0), B),

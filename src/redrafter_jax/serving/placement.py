@@ -93,14 +93,15 @@ class Placement:
       self._llm_def, llm_state = nnx.split(llm)
     self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
     llm_cfg, dtype = llm.config, llm.dtype
-    # The attention backend's cache layout and dtype (or the model's override).
+    # The attention backend's cache layout and dtype (or the model's override), stacked when
+    # the model scans over its layers.
     row = jax.eval_shape(lambda: llm.init_cache(1, 1))
-    layout, cache_dtype = row.layout, row.k[0].dtype
     self._empty = lambda: batch_lib.empty(
         llm_cfg, dtype, config.slots, config.max_context, config.max_tokens,
-        config.decode.beam_length, layout=layout, cache_dtype=cache_dtype)
+        config.decode.beam_length, layout=row.layout, cache_dtype=row.k[0].dtype,
+        stacked=row.stacked)
     self._batch_sharding = self._shardings(jax.eval_shape(self._empty), llm.config.num_kv_heads,
-                                           layout)
+                                           row.head_axis)
     self._new_batch = jax.jit(self._empty, out_shardings=self._batch_sharding)
     self.batch = self._new_batch()
     self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
@@ -109,9 +110,10 @@ class Placement:
     self._step_fns: dict[tuple[int, str], object] = {}
     self._seen: set[tuple[int, int]] = set()  # (rows, bucket) admitted so far
 
-  def _shardings(self, abstract_batch, num_kv_heads: int, layout: str):
+  def _shardings(self, abstract_batch, num_kv_heads: int, axis: int):
+    """Shardings of a slot batch: KV caches split over kv heads (array axis ``axis``) when
+    they divide evenly, the rest replicated."""
     model = self.mesh.shape[sh.MODEL]
-    axis = kvc.HEAD_AXIS[layout]  # KV caches split over kv heads when they divide evenly
 
     def one(path, leaf):
       name = sh.path_name(path)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from redrafter_jax.config import ConfigError, LlamaConfig
 from redrafter_jax.models.linear import resolve_param_dtype
-from redrafter_jax.models.llama import Llama
+from redrafter_jax.models.llama import Llama, stack_layers
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 from redrafter_jax.weights.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -56,10 +56,11 @@ def is_random(spec: str) -> bool:
 
 
 def load_base_model(spec: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                    sharding=None) -> tuple[Llama, LlamaConfig]:
+                    sharding=None, scan_layers: bool = False) -> tuple[Llama, LlamaConfig]:
   """The base LLM for a model spec (known name, path, or ``random:<spec>``), with activations
   in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``; "auto": the platform's faster
-  one, ``linear.resolve_param_dtype``); ``sharding`` as for ``load_llama``."""
+  one, ``linear.resolve_param_dtype``); ``sharding`` and ``scan_layers`` as for
+  ``load_llama``."""
   param_dtype = resolve_param_dtype(param_dtype, dtype)
   for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
     if value not in DTYPES:
@@ -67,8 +68,9 @@ def load_base_model(spec: str, *, dtype: str = "float32", param_dtype: str | Non
   kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype])
   if is_random(spec):
     cfg, seed, _ = _random_spec(spec)
-    return Llama(cfg, **kinds, rngs=nnx.Rngs(seed)), cfg
-  return load_llama(spec, **kinds, sharding=sharding)
+    model = Llama(cfg, **kinds, rngs=nnx.Rngs(seed))
+    return (stack_layers(model) if scan_layers else model), cfg
+  return load_llama(spec, **kinds, sharding=sharding, scan_layers=scan_layers)
 
 
 def load_base_tokenizer(spec: str):

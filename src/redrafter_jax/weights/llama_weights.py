@@ -18,7 +18,8 @@ import numpy as np
 from redrafter_jax.config import ConfigError, LlamaConfig, RopeScaling
 from redrafter_jax.models.attention import check_backend
 from redrafter_jax.models.linear import preferred_layout, to_layout
-from redrafter_jax.models.llama import Llama, abstract_llama, rope_inv_freq
+from redrafter_jax.models.llama import (Llama, abstract_llama, rope_inv_freq,
+                                         stack_layers)
 from redrafter_jax.weights.naming import NameTable, Rule, WeightsError
 from redrafter_jax.weights.params import load_into
 
@@ -211,9 +212,11 @@ def read_llama(source) -> tuple[LlamaConfig, dict[str, np.ndarray], pathlib.Path
 
 
 def load_llama(source, *, dtype=jnp.float32, param_dtype=None, backend: str = "xla",
-               sharding=None) -> tuple[Llama, LlamaConfig]:
+               sharding=None, scan_layers: bool = False) -> tuple[Llama, LlamaConfig]:
   """The model and its config. ``dtype``: activations and KV cache; ``param_dtype``: the weights
-  (None: ``dtype``). Float32 activations with bfloat16 weights is the fast CPU setting."""
+  (None: ``dtype``). Float32 activations with bfloat16 weights is the fast CPU setting.
+  ``scan_layers``: run the layers as a scan (``llama.stack_layers``; with ``sharding``, place
+  the stacked model again with ``sharding.shard_module``)."""
   check_backend(backend)
   param_dtype = dtype if param_dtype is None else param_dtype
   cfg, tensors, path = read_llama(source)
@@ -224,4 +227,5 @@ def load_llama(source, *, dtype=jnp.float32, param_dtype=None, backend: str = "x
   model = load_into(abstract_llama(cfg, dtype=dtype, param_dtype=param_dtype, backend=backend,
                                    weight_layout="oi"),
                     ours, dtype=param_dtype, source=str(path), sharding=sharding)
-  return to_layout(model, preferred_layout(param_dtype)), cfg
+  model = to_layout(model, preferred_layout(param_dtype))
+  return (stack_layers(model) if scan_layers else model), cfg
