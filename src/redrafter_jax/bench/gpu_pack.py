@@ -14,7 +14,8 @@ is dequantized on the machine by NumPy code of this module, not by ``gguf``:
                        config.json, tokenizer) that ``load_llama`` and ``bench suite --model``
                        read;
   ``run``     (there)  unpack, ``pytest -m gpu``, ``tune-tree --time-only`` (the tree this GPU
-                       picks), then ``bench suite --gpu`` on the unpacked model
+                       picks), ``bench layers`` (unrolled vs scanned), then ``bench suite --gpu``
+                       on the unpacked model
                        (``gpu_commands``). ``--dry-run`` runs the same on CPU with the CPU-sized checks: unpack,
                        the unpacked weights against the GGUF reader's, one greedy generation, and
                        prints the GPU commands instead of running them.
@@ -137,9 +138,9 @@ def unpack(src: pathlib.Path, out: pathlib.Path) -> dict[str, np.ndarray]:
 
 def gpu_commands(model: pathlib.Path) -> list[list[str]]:
   """The GPU work: the ``gpu`` tests, the draft tree this GPU would pick (``tune-tree
-  --time-only``: the shipped drafter's tokens/step with this device's step times), then the
-  suite's GPU preset (bf16, cuDNN, batch 1-16, AR vs ReDrafter, per-step split) and quick runs of
-  the other two backends. Results go under
+  --time-only``: the shipped drafter's tokens/step with this device's step times), layers
+  unrolled vs scanned (``bench layers``), then the suite's GPU preset (bf16, cuDNN, batch 1-16,
+  AR vs ReDrafter, per-step split) and quick runs of the other two backends. Results go under
   ``$OUT/results`` when the device tool's ``$OUT`` is set (what it brings back), else
   ``results/``."""
   py = [sys.executable]
@@ -148,7 +149,9 @@ def gpu_commands(model: pathlib.Path) -> list[list[str]]:
                 "--drafter", "shipped", "--no-progress", "--out", out]
   tune = py + ["-m", "redrafter_jax.cli", "tune-tree", "--time-only", "--model", str(model),
                "--param-dtype", "bfloat16"]
-  return [py + ["-m", "pytest", "-q", "-m", "gpu", "tests"], tune, suite,
+  layers = py + ["-m", "redrafter_jax.bench", "layers", "--model", str(model), "--param-dtype",
+                 "bfloat16", "--out", str(pathlib.Path(out) / "layers.md")]
+  return [py + ["-m", "pytest", "-q", "-m", "gpu", "tests"], tune, layers, suite,
           suite + ["--attention", "pallas", "--quick"], suite + ["--attention", "xla", "--quick"]]
 
 
