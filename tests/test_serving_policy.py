@@ -103,3 +103,27 @@ def test_step_costs_follow_the_steps_served():
     frozen.observe((8, "ar", "greedy", 512), 1.0)
   assert frozen.table("greedy", 512) == {(8, "ar", "greedy"): 0.05, (8, "spec", "greedy"): 0.09}
 
+
+
+def test_the_mode_not_chosen_is_priced_under_load():
+  """``explore`` runs the other mode while its served cost is not yet in use, then once per
+  ``every`` steps; with the served costs of both modes ``plan`` switches to the one that pays
+  under load even when the warm-up table said otherwise."""
+  warm = {(8, "ar", "greedy", 512): 0.06, (8, "spec", "greedy", 512): 0.09}
+  costs = policy.StepCosts(warm, min_seen=2, alpha=0.5)
+  tps = {"ar": 1.0, "spec": 2.0}
+  run = []
+  for _ in range(20):
+    b, mode = policy.plan(8, "greedy", costs.table("greedy", 512), tps, MODES, [8])
+    mode = policy.explore(b, mode, "greedy", 512, costs, MODES, every=5)
+    run.append(mode)
+    # Under this load AR steps cost what they cost alone, tree steps 3x: the tree does not pay.
+    costs.observe((8, mode, "greedy", 512), {"ar": 0.06, "spec": 0.27}[mode])
+  # Warm-up table: spec (0.045 s/token) beats AR (0.06), but AR is explored until priced
+  # (steps 0-1), then spec runs until its served cost is in use (0.135 s/token: it loses to
+  # AR's 0.06), and from then on AR runs, the tree again only when its cost is over 5 steps old.
+  assert [i for i, m in enumerate(run) if m == "spec"] == [2, 3, 10, 17], run
+  assert policy.explore(8, "spec", "greedy", 512, None, MODES, every=5) == "spec"
+  assert policy.explore(8, "spec", "greedy", 512, costs, MODES, every=0) == "spec"
+  frozen = policy.StepCosts(warm, min_seen=None)
+  assert policy.explore(8, "spec", "greedy", 512, frozen, MODES, every=5) == "spec"

@@ -8,7 +8,7 @@ The engine owns one thread, the only one that touches JAX after start-up. Its lo
      step costs what its rows cost, not what all slots cost), as a ReDrafter tree step or a
      plain AR step: the bucket and mode giving them the most tokens per second (``policy``: step
      times measured at warm-up and corrected by the steps served, acceptance observed while
-     serving);
+     serving; the mode not chosen runs now and then, so that its cost is also the served one);
   3. while that step runs, read the previous step's tokens (and the new requests' first tokens),
      turn them into text (``TextStream``: stop strings, partial characters), and hand events to
      each request's ``sink``. A request that ends (stop token, stop string, max_tokens,
@@ -80,12 +80,18 @@ class EngineConfig:
   # ReDrafter tokens per step per row assumed before any is observed (None: beam_length, the
   # most a step can give, so the tree is tried until acceptance is known).
   prior_tokens_per_step: float | None = None
+  # Run the mode not chosen once its served cost at the step's rows bucket is this many steps
+  # old (``policy.explore``), so that both modes are priced under the load at hand; 0: never.
+  explore_every: int = 64
 
   def __post_init__(self):
     for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket",
                  "min_context_bucket", "prefill_tokens"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ConfigError(f"serving: {name} must be an integer >= 1, got {getattr(self, name)!r}")
+    if not isinstance(self.explore_every, int) or self.explore_every < 0:
+      raise ConfigError(f"serving: explore_every must be an integer >= 0, got "
+                        f"{self.explore_every!r}")
     if not isinstance(self.max_queue, int) or self.max_queue < 0:
       raise ConfigError(f"serving: max_queue must be an integer >= 0, got {self.max_queue!r}")
     p = self.prior_tokens_per_step
@@ -441,6 +447,9 @@ class Engine:
       costs = self.costs.table(kind, context)
     b, mode = policy_lib.plan(len(live), kind, costs, self.acceptance.table(),
                               self._place.modes(), self._place.row_buckets())
+    if costs:
+      mode = policy_lib.explore(b, mode, kind, context, self.costs, self._place.modes(),
+                                self.config.explore_every)
     if b == self.config.slots:
       rows = list(range(b))
     else:

@@ -98,10 +98,22 @@ class StepCosts:
   min_seen: int | None = 4
   alpha: float = 0.1
   seen: dict = dataclasses.field(default_factory=dict)  # key -> (average seconds, steps)
+  steps: int = 0  # steps observed, any key
+  last: dict = dataclasses.field(default_factory=dict)  # key -> ``steps`` at its last observation
 
   def observe(self, key: tuple[int, str, str, int], seconds: float) -> None:
     average, n = self.seen.get(key, (seconds, 0))
     self.seen[key] = (average + max(self.alpha, 1.0 / (n + 1)) * (seconds - average), n + 1)
+    self.steps += 1
+    self.last[key] = self.steps
+
+  def stale(self, key: tuple[int, str, str, int], every: int) -> bool:
+    """Whether ``key``'s served cost is not yet in use (fewer than ``min_seen`` steps) or its
+    last step is more than ``every`` steps old: the load may have changed since."""
+    if self.min_seen is None or key not in self.warm:
+      return False
+    return (self.seen.get(key, (0.0, 0))[1] < self.min_seen
+            or self.steps - self.last.get(key, 0) > every)
 
   def table(self, kind: str, context: int) -> dict[tuple[int, str, str], float]:
     """The costs ``plan`` reads for one sampling kind at one context bucket."""
@@ -112,3 +124,19 @@ class StepCosts:
         out[b, mode, k] = average if self.min_seen is not None and n >= self.min_seen else warm
     return out
 
+
+
+def explore(rows_bucket: int, mode: str, kind: str, context: int, costs: StepCosts | None,
+            modes: Sequence[str], every: int) -> str:
+  """The mode to run: ``plan``'s, unless another mode's served cost at the same rows bucket,
+  kind and context is stale (``StepCosts.stale``): then that one, for this step. The warm-up
+  table prices each mode alone, and under load the modes do not slow down alike (the host's
+  work and the other requests' prefills share the machine); a cost is corrected only by
+  running its mode, so each mode runs at least once per ``every`` steps (0: never explore).
+  Greedy outputs are the same in both modes; the price is one step of the other mode."""
+  if costs is None or every <= 0:
+    return mode
+  for other in modes:
+    if other != mode and costs.stale((rows_bucket, other, kind, context), every):
+      return other
+  return mode
