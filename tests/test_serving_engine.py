@@ -161,6 +161,9 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
   assert mixed[1, "spec"] > 0 and mixed[4, "ar"] > 0
   assert set(single) == {(1, "spec")}
   assert alone.usage["speculative"]["accepted_tokens"] > 0
+  summary = engine.served_summary()  # what the engine logs when it stops
+  assert f"1 rows spec: {engine.step_counts[1, 'spec']}," in summary, summary
+  assert f"4 rows ar: {engine.step_counts[4, 'ar']}" in summary, summary
 
 
 def test_step_costs_are_read_at_the_context_a_step_reads(self_engine, reference):

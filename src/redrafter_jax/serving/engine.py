@@ -237,6 +237,22 @@ class Engine:
     if self._thread is not None:
       self._thread.join(timeout)
       self._thread = None
+      if self.step_counts:
+        log.info("%s", self.served_summary())
+
+  def served_summary(self) -> str:
+    """What the policy did: steps served by (rows bucket, mode), the acceptance observed, and
+    the served seconds per step (average, steps) next to the warm-up's, by (rows, mode, kind,
+    context)."""
+    steps = ", ".join(f"{b} rows {m}: {n}" for (b, m), n in sorted(self.step_counts.items()))
+    out = (f"steps served: {steps}; tokens/step observed {self.acceptance.tokens_per_step:.2f} "
+           f"over {self.acceptance.row_steps} row-steps")
+    if self.costs is not None and self.costs.seen:
+      served = ", ".join(
+          f"{key}: {avg * 1e3:.1f} ms x {n} (warm-up {self.costs.warm.get(key, 0) * 1e3:.1f})"
+          for key, (avg, n) in sorted(self.costs.seen.items()))
+      out += f"; served step seconds: {served}"
+    return out
 
   @property
   def alive(self) -> bool:
