@@ -166,6 +166,26 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
   assert f"4 rows ar: {engine.step_counts[4, 'ar']}" in summary, summary
 
 
+def test_a_step_after_a_prefill_does_not_price_the_step(self_engine, reference):
+  """The device runs an admission's prefill just before the next step, so the time between
+  two reads is both's: the served-cost table leaves that step out (the policy compares step
+  costs; a prefill costs the same whichever mode follows). A request alone: one admission,
+  so every step but the first is observed."""
+  engine = self_engine
+  warm = {(b, m, k, c): 0.01 for b in engine._place.row_buckets() for m in policy.MODES
+          for k in policy.KINDS for c in engine._place.context_buckets()}
+  before = engine.step_counts.copy()
+  engine.costs = policy.StepCosts(warm, min_seen=1)
+  try:
+    alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
+    steps = sum((engine.step_counts - before).values())
+    observed = engine.costs.steps
+  finally:
+    engine.costs = None
+  assert alone.token_ids == expected(reference[2], 12)
+  assert steps >= 3 and observed == steps - 1, (steps, observed)
+
+
 def test_step_costs_are_read_at_the_context_a_step_reads(self_engine, reference):
   """The cost table is per context bucket: with a tree that pays at context 32 only, a short
   request alone runs tree steps and a long one (context 64) AR steps, both with decode()'s

@@ -151,6 +151,9 @@ class _InFlight:
   mode: str
   dispatched_at: float
   key: tuple[int, str, str, int]  # (rows bucket, mode, sampling kind, context): its cost entry
+  # A prefill was dispatched just before it: the device ran both between the last read and
+  # this step's, so its time is not the step's cost.
+  after_admission: bool = False
 
 
 class Engine:
@@ -190,6 +193,7 @@ class Engine:
     # Admitted, first token unread: (slot, request, its call's first tokens, its row there, t0).
     self._firsts: list[tuple[int, _Active, jax.Array, int, float]] = []
     self._last_collect = 0.0
+    self._admitted = False  # an admission was dispatched since the last step's dispatch
     # Seconds per step by (rows, mode, sampling kind, context): measured by ``warmup``, then
     # corrected by the steps served.
     self.costs: policy_lib.StepCosts | None = None
@@ -245,8 +249,10 @@ class Engine:
     the served seconds per step (average, steps) next to the warm-up's, by (rows, mode, kind,
     context)."""
     steps = ", ".join(f"{b} rows {m}: {n}" for (b, m), n in sorted(self.step_counts.items()))
-    out = (f"steps served: {steps}; tokens/step observed {self.acceptance.tokens_per_step:.2f} "
-           f"over {self.acceptance.row_steps} row-steps")
+    out = f"steps served: {steps}"
+    if self.config.speculative:
+      out += (f"; tokens/step observed {self.acceptance.tokens_per_step:.2f} over "
+              f"{self.acceptance.row_steps} row-steps")
     if self.costs is not None and self.costs.seen:
       served = ", ".join(
           f"{key}: {avg * 1e3:.1f} ms x {n} (warm-up {self.costs.warm.get(key, 0) * 1e3:.1f})"
@@ -394,6 +400,7 @@ class Engine:
       t0 = time.perf_counter()
       try:
         first_k = self._place.admit(group)
+        self._admitted = True
       except Exception as e:
         log.exception("requests %s: admission failed", [h.id for h in members])
         self._admission_failed(members, _fault_message(e))
@@ -476,7 +483,8 @@ class Engine:
                            context)
     self.step_counts[b, mode] += 1
     self.context_counts[context] += 1
-    return _InFlight(out, rows, actives, mode, t0, (b, mode, kind, context))
+    after_admission, self._admitted = self._admitted, False
+    return _InFlight(out, rows, actives, mode, t0, (b, mode, kind, context), after_admission)
 
   def _collect(self, step: _InFlight) -> None:
     """Wait for ``step`` and deliver its tokens to the requests still holding its rows."""
@@ -503,7 +511,7 @@ class Engine:
         self._fail_slot(slot, _fault_message(e))
     # Acceptance statistics count tree steps only (an AR step drafts nothing).
     self.metrics.observe_step(seconds, accepted if step.mode == self.mode_kind else [])
-    if self.costs is not None:
+    if self.costs is not None and not step.after_admission:  # a step's cost, no prefill's
       self.costs.observe(step.key, seconds)
     if step.mode == "spec":
       self.acceptance.observe(accepted)

@@ -91,8 +91,9 @@ class StepCosts:
   """Seconds per step by (rows, mode, sampling kind, context): those ``Engine.warmup`` measured,
   each replaced by the steps actually served once ``min_seen`` of them were seen (an
   exponential moving average, weight ``alpha``): under load a step costs more than it did alone
-  (the host's work and other requests' prefills share the machine), and not by the same factor
-  for every mode. ``min_seen`` None keeps the warm-up table (tests)."""
+  (the host's work shares the machine), and not by the same factor for every mode. The engine
+  leaves out a step that ran right after a prefill (its time is both's). ``min_seen`` None
+  keeps the warm-up table (tests)."""
 
   warm: Mapping[tuple[int, str, str, int], float]
   min_seen: int | None = 4
