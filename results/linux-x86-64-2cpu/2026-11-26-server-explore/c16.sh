@@ -2,8 +2,8 @@
 # usage: c16.sh OUT SRC_A SRC_B [ROUNDS]: `loadtest --compare` (64 requests, 16 clients, the
 # ReDrafter server against an AR server, both started by loadtest) with the code in SRC_A, then
 # SRC_B, alternating, ROUNDS times (default 2). SRC_*: copies of src/ with checkpoints/ beside.
-# Here A = the code of this commit with EngineConfig.explore_every = 0 (never explore), B = as
-# committed (64). Run from the repository root on a quiet machine (~7 min per run).
+# The states compared are named in results.md. Run from the repository root on a quiet
+# machine (~10 min per round: two servers warm up per run).
 OUT=$1; A=$2; B=$3; ROUNDS=${4:-2}
 PY=${PY:-.venv/bin/python}
 mkdir -p $OUT
