@@ -209,6 +209,17 @@ def test_scanned_layers_compute_the_same_model(tmp_path, kind):
             model.init_cache(1, 8))
 
 
+def test_scanned_bf16_weights_compute_the_same_model():
+  """With 16-bit weights the scan slices their bits on a CPU (``llama._as_bits``): the same
+  weights reach each layer, so the logits equal the unrolled model's."""
+  model = llama.Llama(tiny_models.TINY_LLM, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  tokens_BT = random_tokens(6, (2, 10), tiny_models.TINY_VOCAB)
+  want = forward(model, tokens_BT)
+  scanned = llama.stack_layers(nnx.clone(model))
+  assert scanned.layers.mlp.up_proj.matrix[...].dtype == jnp.bfloat16
+  np.testing.assert_allclose(forward(scanned, tokens_BT), want, rtol=1e-5, atol=1e-5)
+
+
 def _named(model) -> dict:
   return {sharding.path_name(path): leaf
           for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))}

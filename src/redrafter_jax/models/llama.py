@@ -34,7 +34,7 @@ from flax import nnx
 from redrafter_jax.config import LlamaConfig
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.attention import attend, cache_dtype, cache_layout
-from redrafter_jax.models.linear import Dense, Embed
+from redrafter_jax.models.linear import Dense, Embed, on_cpu
 
 
 class RMSNorm(nnx.Module):
@@ -145,7 +145,8 @@ class DecoderLayer(nnx.Module):
 
 
 def _as_bits(w: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
+  half = jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 2
+  return jax.lax.bitcast_convert_type(w, jnp.uint16) if half else w
 
 
 def _from_bits(w: jax.Array, dtype) -> jax.Array:
@@ -194,10 +195,11 @@ class Llama(nnx.Module):
       raise kvc.CacheError("a model that scans over its layers needs a stacked KV cache "
                            "(its init_cache makes one)")
     graphdef, params_L = nnx.split(self.layers)
-    # XLA:CPU slices bfloat16 arrays by converting them ALL to float32 first (before the loop, at
-    # every call): the scan slices the weights' bits (uint16) instead, free both ways.
+    # XLA:CPU slices 16-bit float arrays by converting them ALL to float32 first (before the
+    # loop, at every call): on a CPU the scan slices the weights' bits (uint16) instead.
     dtypes = jax.tree.map(lambda w: w.dtype, params_L)
-    params_L = jax.tree.map(_as_bits, params_L)
+    if on_cpu():
+      params_L = jax.tree.map(_as_bits, params_L)
 
     def one_layer(carry, bits):
       x_BTD, cache, i = carry
