@@ -174,10 +174,15 @@ def test_a_step_after_a_prefill_does_not_price_the_step(self_engine, reference):
   engine = self_engine
   warm = {(b, m, k, c): 0.01 for b in engine._place.row_buckets() for m in policy.MODES
           for k in policy.KINDS for c in engine._place.context_buckets()}
+  # A request's last step is dispatched ahead, before its end is known, and read by the engine
+  # thread a few milliseconds after the request returns: wait for that read (an earlier
+  # test's before the table is installed, this one's before the table is read).
+  time.sleep(0.5)
   before = engine.step_counts.copy()
   engine.costs = policy.StepCosts(warm, min_seen=1)
   try:
     alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
+    time.sleep(0.5)
     steps = sum((engine.step_counts - before).values())
     observed = engine.costs.steps
   finally:
