@@ -193,7 +193,6 @@ class Engine:
     # Admitted, first token unread: (slot, request, its call's first tokens, its row there, t0).
     self._firsts: list[tuple[int, _Active, jax.Array, int, float]] = []
     self._last_collect = 0.0
-    self._admitted = False  # an admission was dispatched since the last step's dispatch
     # Seconds per step by (rows, mode, sampling kind, context): measured by ``warmup``, then
     # corrected by the steps served.
     self.costs: policy_lib.StepCosts | None = None
@@ -400,7 +399,6 @@ class Engine:
       t0 = time.perf_counter()
       try:
         first_k = self._place.admit(group)
-        self._admitted = True
       except Exception as e:
         log.exception("requests %s: admission failed", [h.id for h in members])
         self._admission_failed(members, _fault_message(e))
@@ -483,8 +481,8 @@ class Engine:
                            context)
     self.step_counts[b, mode] += 1
     self.context_counts[context] += 1
-    after_admission, self._admitted = self._admitted, False
-    return _InFlight(out, rows, actives, mode, t0, (b, mode, kind, context), after_admission)
+    # Admitted requests whose first token is unread were prefilled since the last dispatch.
+    return _InFlight(out, rows, actives, mode, t0, (b, mode, kind, context), bool(self._firsts))
 
   def _collect(self, step: _InFlight) -> None:
     """Wait for ``step`` and deliver its tokens to the requests still holding its rows."""
