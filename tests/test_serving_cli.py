@@ -57,15 +57,42 @@ def test_loadtest_refuses_non_loopback_targets():
     loadtest.main(["--url", "http://example.com:8000", "--requests", "1"])
 
 
+def test_loadtest_rounds_are_pooled_and_each_ratio_printed():
+  def load(tokens, wall, latency):
+    return loadtest.Load([loadtest.Result(ok=True, latency=latency, ttft=0.1, tokens=tokens)],
+                         1, wall)
+
+  rounds = [{"redrafter": load(100, 1.0, 1.0), "ar": load(100, 2.0, 2.0)},
+            {"redrafter": load(100, 4.0, 3.0), "ar": load(100, 1.0, 1.0)},
+            {"redrafter": load(100, 1.0, 1.0), "ar": load(100, 1.0, 1.0)}]
+  pooled = loadtest.Load.pooled([r["redrafter"] for r in rounds]).summary()
+  assert (pooled["requests"], pooled["completed"], pooled["completion_tokens"]) == (3, 3, 300)
+  assert pooled["tokens_per_s"] == pytest.approx(300 / 6.0)
+  assert pooled["latency_p50_s"] == pytest.approx(1.0)
+  lines = loadtest.format_rounds(rounds).splitlines()
+  assert lines[1].split()[1:] == ["redrafter", "100.0", "50.0", "2.00x"]
+  assert lines[2].split()[1:] == ["ar", "25.0", "100.0", "0.25x"]
+  assert lines[-1] == "redrafter / ar over 3 rounds: median 1.00x, min 0.25x, max 2.00x"
+
+
+def test_loadtest_rounds_need_compare():
+  with pytest.raises(SystemExit):
+    loadtest.main(["--url", "http://127.0.0.1:9", "--rounds", "2"])
+  with pytest.raises(SystemExit):
+    loadtest.main(["--compare", "--rounds", "0"])
+
+
 @pytest.mark.slow
 def test_loadtest_compare_starts_both_servers(capsys):
   code = loadtest.main(["--compare", "--config", "configs/tiny.yaml", "--random-drafter",
                         "--requests", "8", "--concurrency", "2", "--max-tokens", "8",
-                        "--slots", "2", "--json"])
+                        "--slots", "2", "--rounds", "2", "--json"])
   out = capsys.readouterr().out
   assert code == 0, out
   assert "redrafter" in out and " ar" in out and "speedup (throughput)" in out
-  assert out.count("8/8") >= 2
+  assert "16/16" in out  # pooled over the two rounds
+  assert out.count("[round ") == 4 and "over 2 rounds: median" in out
+  assert '"rounds"' in out
 
 
 def _start_serve(*extra: str):

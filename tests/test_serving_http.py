@@ -238,10 +238,11 @@ def test_error_messages_name_the_field():
   assert e.value.code == "missing_required_parameter"
 
 
-def _wait(predicate, timeout=120.0):
+def _wait(predicate, timeout=120.0, state=lambda: ""):
+  """Poll until ``predicate()``; on timeout fail with ``state()`` (what the test saw)."""
   deadline = time.monotonic() + timeout
   while not predicate():
-    assert time.monotonic() < deadline, "timed out"
+    assert time.monotonic() < deadline, f"timed out {state()}"
     time.sleep(0.05)
 
 
@@ -308,12 +309,15 @@ def test_queue_limit_429_and_disconnect_frees_the_slot(one_slot):
   try:
     with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
                       timeout=120) as first:
-      next(line for line in first.iter_lines() if line.startswith("data: "))  # in the slot
+      event = next(line for line in first.iter_lines() if line.startswith("data: "))  # in the slot
       result = {}
       waiter = threading.Thread(target=lambda: result.update(
           r=_post(url, "/v1/completions", {**GOOD, "max_tokens": 3})))
       waiter.start()
-      _wait(lambda: _health(url)["queue_length"] == 1)
+      _wait(lambda: _health(url)["queue_length"] == 1 or not waiter.is_alive(),
+            state=lambda: f"(first stream's first event {event!r}; /health {_health(url)})")
+      r = result.get("r")
+      assert waiter.is_alive(), f"the waiting request ended: {r and (r.status_code, r.text)}"
       refused = _post(url, "/v1/completions", GOOD)  # slot busy, queue full
       assert refused.status_code == 429, refused.text
       assert refused.json()["error"]["code"] == "queue_full"

@@ -3,9 +3,14 @@
 Against a running server:
   python -m redrafter_jax.serving.loadtest --url http://127.0.0.1:8000 --requests 64 \\
       --concurrency 16
-ReDrafter vs AR side by side (starts each server itself, one after the other, same settings):
+ReDrafter vs AR side by side (starts both servers itself, same settings, each warmed up alone;
+then loads them in turn, ``--rounds`` times, alternating which goes first):
   python -m redrafter_jax.serving.loadtest --compare --config configs/smollm2_135m.yaml \\
-      --requests 64 --concurrency 16 [--drafter PATH | --random-drafter] [--slots 8]
+      --requests 64 --concurrency 16 --rounds 3 [--drafter PATH | --random-drafter] [--slots 8]
+
+A shared machine's speed drifts between runs by more than what separates two servers; rounds
+taken back to back against servers that stay up give one ratio per round, so the spread is seen
+and the drift cancels (ABBA order) instead of landing on one side.
 
 Every request streams (``stream: true`` with usage) so time to first token is measured; each
 has a timeout and the whole run a deadline, so the script always ends. A request that neither
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from typing import Iterator
 
 import httpx
 import numpy as np
@@ -108,7 +115,7 @@ MIXED_SAMPLING = dict(temperature=0.8, top_p=0.9, top_k=40)  # the top-k/top-p k
 
 async def _run(url: str, prompts: list[str], *, requests: int, concurrency: int,
                max_tokens: int, temperature: float, timeout: float, deadline: float,
-               mix_every: int = 0, chat: bool = False) -> dict:
+               mix_every: int = 0, chat: bool = False) -> "Load":
   async with httpx.AsyncClient(timeout=timeout) as client:
     model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
     results: list[Result | None] = [None] * requests
@@ -132,7 +139,25 @@ async def _run(url: str, prompts: list[str], *, requests: int, concurrency: int,
       t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     wall = time.perf_counter() - t0
-  return summarize([r for r in results if r is not None], requests, wall)
+  return Load([r for r in results if r is not None], requests, wall)
+
+
+@dataclasses.dataclass
+class Load:
+  """What one load run saw: a result per request that ended, requests sent, seconds taken."""
+  results: list[Result]
+  requests: int
+  wall: float
+
+  def summary(self) -> dict:
+    return summarize(self.results, self.requests, self.wall)
+
+  @staticmethod
+  def pooled(loads: list["Load"]) -> "Load":
+    """Several runs as one: throughput is their tokens over their summed wall time and the
+    percentiles are over all their requests."""
+    return Load([r for x in loads for r in x.results], sum(x.requests for x in loads),
+                sum(x.wall for x in loads))
 
 
 def summarize(results: list[Result], requests: int, wall: float) -> dict:
@@ -155,7 +180,7 @@ def summarize(results: list[Result], requests: int, wall: float) -> dict:
 def run_load(url: str, *, requests: int = 64, concurrency: int = 16, max_tokens: int = 64,
              temperature: float = 0.0, prompts: list[str] | None = None, warmup: int | None = None,
              timeout: float = 300.0, deadline: float = 1800.0, mix_every: int = 0,
-             chat: bool = False) -> dict:
+             chat: bool = False) -> Load:
   """Warm up, then send ``requests`` streaming completions from ``concurrency`` clients (every
   ``mix_every``-th with top-k/top-p sampling, ``MIXED_SAMPLING``, instead; the warm-up
   requests never are, so that kind's first use is measured). ``chat``: each prompt is a user
@@ -226,45 +251,78 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: st
   raise SystemExit(f"error: the server was not healthy within {timeout} s; see {log_path}")
 
 
-def compare(args) -> dict[str, dict]:
-  """Start the server twice (ReDrafter, then AR) with the same settings; load-test each."""
-  reports = {}
-  for mode in ("redrafter", "ar"):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "redrafter_jax.cli", "serve", "--config", args.config,
-           "--host", "127.0.0.1", "--port", str(port), "--slots", str(args.slots),
-           "--max-tokens", str(max(args.max_tokens, 1))]
-    if mode == "ar":
-      cmd.append("--ar")
-    elif args.random_drafter:
-      cmd.append("--random-drafter")
-    elif args.drafter:
-      cmd += ["--drafter", args.drafter]
-    cmd += args.server_args
-    log_path = os.path.join(tempfile.gettempdir(), f"redrafter-loadtest-{mode}-{port}.log")
-    print(f"[{mode}] starting: {' '.join(cmd)} (log: {log_path})", flush=True)
-    with open(log_path, "w") as log_file:
-      proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+MODES = ("redrafter", "ar")  # the servers --compare starts, in this order
+
+
+@contextlib.contextmanager
+def _server(mode: str, args) -> Iterator[str]:
+  """A ``serve`` subprocess (ReDrafter or ``--ar``) with ``args``' settings; yields its URL once
+  it is healthy (warmed up) and stops it on exit."""
+  port = _free_port()
+  cmd = [sys.executable, "-m", "redrafter_jax.cli", "serve", "--config", args.config,
+         "--host", "127.0.0.1", "--port", str(port), "--slots", str(args.slots),
+         "--max-tokens", str(max(args.max_tokens, 1))]
+  if mode == "ar":
+    cmd.append("--ar")
+  elif args.random_drafter:
+    cmd.append("--random-drafter")
+  elif args.drafter:
+    cmd += ["--drafter", args.drafter]
+  cmd += args.server_args
+  log_path = os.path.join(tempfile.gettempdir(), f"redrafter-loadtest-{mode}-{port}.log")
+  print(f"[{mode}] starting: {' '.join(cmd)} (log: {log_path})", flush=True)
+  with open(log_path, "w") as log_file:
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+      url = f"http://127.0.0.1:{port}"
+      _wait_healthy(url, proc, args.startup_timeout, log_path)
+      yield url
+    finally:
+      proc.terminate()
       try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc, args.startup_timeout, log_path)
-        reports[mode] = run_load(url, **_load_kwargs(args))
-        print(f"[{mode}] done: {reports[mode]['completed']}/{args.requests} completed",
-              flush=True)
-      finally:
-        proc.terminate()
-        try:
-          proc.wait(30)
-        except subprocess.TimeoutExpired:
-          proc.kill()
-          proc.wait(10)
-  return reports
+        proc.wait(30)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
-def _load_kwargs(args) -> dict:
+def compare(args) -> list[dict[str, Load]]:
+  """Start a ReDrafter and an AR server with the same settings, the second once the first is
+  warmed up (so that each measures its step costs alone), then load them in turn for
+  ``args.rounds`` rounds, the other server idle; odd rounds load ReDrafter first, even rounds
+  AR first. The warm-up requests run in the first round only. Returns each round's loads."""
+  rounds = []
+  with contextlib.ExitStack() as stack:
+    urls = {mode: stack.enter_context(_server(mode, args)) for mode in MODES}
+    for r in range(args.rounds):
+      loads = {}
+      for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        loads[mode] = run_load(urls[mode], **_load_kwargs(args, warm=r == 0))
+        s = loads[mode].summary()
+        print(f"[round {r + 1}/{args.rounds}] {mode}: {s['completed']}/{args.requests} "
+              f"completed, {s['tokens_per_s']:.1f} tok/s", flush=True)
+      rounds.append({mode: loads[mode] for mode in MODES})
+  return rounds
+
+
+def format_rounds(rounds: list[dict[str, Load]]) -> str:
+  """Each round's throughputs and ratio, then the ratios' median and range."""
+  a, b = MODES
+  lines = [f"{'round':>5}  {'first':<10}{a + ' tok/s':>16}{b + ' tok/s':>12}{a + ' / ' + b:>18}"]
+  ratios = []
+  for r, loads in enumerate(rounds):
+    ta, tb = (loads[m].summary()["tokens_per_s"] for m in MODES)
+    ratios.append(ta / tb if tb > 0 else float("nan"))
+    lines.append(f"{r + 1:>5}  {MODES[r % 2]:<10}{ta:>16.1f}{tb:>12.1f}{ratios[-1]:>17.2f}x")
+  lines.append(f"{a} / {b} over {len(rounds)} rounds: median {np.median(ratios):.2f}x, "
+               f"min {min(ratios):.2f}x, max {max(ratios):.2f}x")
+  return "\n".join(lines)
+
+
+def _load_kwargs(args, warm: bool = True) -> dict:
   prompts = read_prompts(args.prompts, args.prompt_limit) if args.prompts else None
   return dict(requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
-              temperature=args.temperature, prompts=prompts, warmup=args.warmup,
+              temperature=args.temperature, prompts=prompts, warmup=args.warmup if warm else 0,
               timeout=args.request_timeout, deadline=args.deadline, mix_every=args.mix_every,
               chat=args.chat)
 
@@ -275,7 +333,7 @@ def parser() -> argparse.ArgumentParser:
   target = p.add_mutually_exclusive_group(required=True)
   target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
   target.add_argument("--compare", action="store_true",
-                      help="start the server twice (ReDrafter, then --ar) and compare")
+                      help="start a ReDrafter and an --ar server and load each in turn")
   p.add_argument("--requests", type=int, default=64)
   p.add_argument("--concurrency", type=int, default=16)
   p.add_argument("--max-tokens", type=int, default=64)
@@ -300,6 +358,9 @@ def parser() -> argparse.ArgumentParser:
   srv.add_argument("--drafter", default=None)
   srv.add_argument("--random-drafter", action="store_true")
   srv.add_argument("--slots", type=int, default=8)
+  srv.add_argument("--rounds", type=int, default=1,
+                   help="load both servers this many times each, alternating which goes first; "
+                        "prints each round's ratio and pools the rest")
   srv.add_argument("--startup-timeout", type=float, default=900.0)
   srv.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="further `serve` arguments (last on the line)")
@@ -313,17 +374,25 @@ def main(argv: list[str] | None = None) -> int:
     p.error("--requests, --concurrency and --max-tokens must be >= 1")
   if args.mix_every < 0:
     p.error("--mix-every must be >= 0")
-  if args.compare:
-    reports = compare(args)
-  else:
-    reports = {"server": run_load(args.url, **_load_kwargs(args))}
+  if args.rounds < 1:
+    p.error("--rounds must be >= 1")
+  if args.rounds > 1 and not args.compare:
+    p.error("--rounds needs --compare")
+  rounds = compare(args) if args.compare else [{"server": run_load(args.url,
+                                                                   **_load_kwargs(args))}]
+  reports = {m: Load.pooled([r[m] for r in rounds]).summary() for m in rounds[0]}
   mix = f", every {args.mix_every}th top-k/top-p sampled" if args.mix_every else ""
   mix += ", chat template" if args.chat else ""
   print(f"\n{args.requests} requests, {args.concurrency} concurrent clients, "
-        f"max_tokens {args.max_tokens}, temperature {args.temperature}{mix}")
+        f"max_tokens {args.max_tokens}, temperature {args.temperature}{mix}"
+        + (f"; {len(rounds)} rounds, pooled" if len(rounds) > 1 else ""))
   print(format_reports(reports))
+  if len(rounds) > 1:
+    print(format_rounds(rounds))
   if args.json:
-    print(json.dumps(reports, indent=1))
+    out = reports if len(rounds) == 1 else \
+        {"pooled": reports, "rounds": [{m: x.summary() for m, x in r.items()} for r in rounds]}
+    print(json.dumps(out, indent=1))
   ok = all(r["completed"] == r["requests"] for r in reports.values())
   return 0 if ok else 1
 

@@ -1,0 +1,219 @@
+"""``python -m redrafter_jax.bench server_step``: a lone request's step in the server, layer by layer.
+
+Alone on the server, a request runs the step ``generate``'s loop runs, plus what serving adds:
+the step reads a context bucket of the cache (``--min-context-bucket`` and up) rather than a
+cache the request's own size, takes its row out of the slot batch and writes it back
+(``serving/rows.py``), is dispatched once per step by the engine thread, and its tokens are read,
+detokenized and handed over on the host. For the ReDrafter tree and for AR, in one process:
+
+  ``batch-1 step``         ``ReDrafter.step`` / AR's one-token step on a batch-1 cache of the
+                           request's size (what ``generate`` runs per step, less its loop)
+  ``server step, 1 slot``  the server's step program on a one-slot batch (nothing gathered), at
+                           the request's context bucket
+  ``server step, 1 of S``  the same program with ``--slots`` S slots: the row gathered and put back
+  ``served``               the request alone through an ``Engine`` of S slots: from its first
+                           token to its end, per step (host work and the per-step read included)
+
+Each row's time is the median of ``--repeat`` warm calls (``served``: of ``--requests`` requests
+after one warm-up request); going down the table, each difference is what one serving layer
+costs. The prompt is ``--prompt`` as a chat message, generated greedily to ``--max-tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import queue
+import statistics
+import sys
+import time
+
+from redrafter_jax.bench.ar import load_average
+
+PROMPT = "Write a story about a lighthouse keeper who finds a message in a bottle."
+
+
+def parse_args(argv):
+  from redrafter_jax.inference.tree_choice import Beams
+
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench server_step",
+                              description=__doc__.strip().splitlines()[0])
+  p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
+  p.add_argument("--drafter", default="shipped",
+                 help="drafter folder, 'shipped' (checkpoints/) or 'random'")
+  p.add_argument("--param-dtype", default="auto", help="the LLM's weights (auto: the CPU's)")
+  p.add_argument("--beams", default="1x4+3/5", help="the draft tree (WxL+n/N)")
+  p.add_argument("--draft-vocab", type=int, default=None,
+                 help="draft vocabulary (default: the drafter's decode.json, else all)")
+  p.add_argument("--prompt", default=PROMPT, help="the user message")
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--slots", type=int, default=8)
+  p.add_argument("--max-context", type=int, default=2048)
+  p.add_argument("--min-context-bucket", type=int, default=512)
+  p.add_argument("--repeat", type=int, default=20, help="warm calls per step row (median)")
+  p.add_argument("--requests", type=int, default=3, help="lone requests for the served row")
+  args = p.parse_args(argv)
+  try:
+    (args.beams,) = Beams.parse_list(args.beams)
+  except ValueError as e:
+    p.error(f"--beams: {e} (give one tree)")
+  if min(args.max_tokens, args.slots, args.max_context, args.min_context_bucket, args.repeat,
+         args.requests) < 1:
+    p.error("--max-tokens, --slots, --max-context, --min-context-bucket, --repeat and "
+            "--requests must be >= 1")
+  return args
+
+
+def _median_call_seconds(fn, repeat: int) -> float:
+  """Median wall seconds of ``repeat`` calls of ``fn`` (each waited for), after one unmeasured
+  (compiling) call."""
+  import jax
+
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeat):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def batch1_step(llm, drafter, cfg, ids: list[int], repeat: int) -> float:
+  """Seconds of one ``ReDrafter.step`` on the prompt ``ids`` at batch 1 (greedy)."""
+  import dataclasses
+
+  from redrafter_jax.inference.decode import ReDrafter
+
+  steps = ReDrafter(llm, drafter, dataclasses.replace(
+      cfg, max_new_tokens=(repeat + 2) * cfg.beam_length))
+  prepared = steps.prepare([ids])
+  state = [steps.start(prepared)]
+
+  def one():
+    state[0] = steps.step(prepared, state[0])
+    return state[0]
+
+  return _median_call_seconds(one, repeat)
+
+
+def engine_config(args, cfg, slots: int, speculative: bool):
+  from redrafter_jax.serving.engine import EngineConfig
+
+  return EngineConfig(slots=slots, max_context=args.max_context, max_tokens=args.max_tokens,
+                      default_max_tokens=args.max_tokens, speculative=speculative, decode=cfg,
+                      min_context_bucket=args.min_context_bucket)
+
+
+def server_step(llm, drafter, ecfg, ids: list[int], mode: str, repeat: int) -> float:
+  """Seconds of the server's step program for one live row (slot 0, greedy) at the context
+  bucket the engine would read for this request. The row is admitted again before each step
+  (waited for, not timed), so every timed step decodes rather than meets its token limit."""
+  import jax
+
+  from redrafter_jax.serving.placement import Placement
+
+  place = Placement(llm, drafter if ecfg.speculative else None, ecfg, ())
+  need = min(len(ids) + ecfg.max_tokens + ecfg.scratch, ecfg.max_context)
+  context = next(w for w in place.context_buckets() if w >= need)
+  rows = [0] if 1 in place.row_buckets() else list(range(ecfg.slots))
+  live = [r == 0 for r in rows]
+  times = []
+  for i in range(repeat + 1):  # the first call compiles
+    jax.block_until_ready(place.admit([place.admission(0, ids, 0, 0.0, 1.0, 0,
+                                                       ecfg.max_tokens)]))
+    t = time.perf_counter()
+    jax.block_until_ready(place.step(rows, live, False, True, mode, context))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times[1:])
+
+
+def served(llm, tok, drafter, ecfg, ids: list[int], requests: int) -> tuple[float, float]:
+  """(seconds per step from the first token to the end, tokens per step) of ``requests``
+  greedy requests sent one at a time to an ``Engine`` (medians), after one warm-up request."""
+  from redrafter_jax.serving.engine import Engine
+  from redrafter_jax.serving.request import Finished, GenerationRequest
+
+  engine = Engine(llm, tok, drafter if ecfg.speculative else None, config=ecfg,
+                  stop_ids=()).start()
+  try:
+    per_step, tps = [], []
+    for i in range(requests + 1):
+      events: queue.Queue = queue.Queue()
+      engine.submit(GenerationRequest(ids, max_tokens=ecfg.max_tokens, seed=0),
+                    lambda e: events.put((time.perf_counter(), e)))
+      first, (end, done) = events.get(timeout=600)[0], (None, None)
+      while not isinstance(done, Finished):
+        end, done = events.get(timeout=600)
+      spec = done.usage["speculative"]
+      if i:  # the first request compiles its programs
+        per_step.append((end - first) / max(spec["steps"], 1))
+        tps.append(spec["tokens_per_step"])
+    return statistics.median(per_step), statistics.median(tps)
+  finally:
+    engine.stop()
+
+
+def measure(llm, tok, drafter, args, ids: list[int]) -> dict[str, dict[str, float]]:
+  """``{row: {"spec": seconds, "ar": seconds}}`` and the served tokens/step (``"tps"``)."""
+  from redrafter_jax.inference.ar import one_token_step_seconds
+
+  cfg = args.beams.config(max_new_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab)
+  rows: dict[str, dict[str, float]] = {}
+  cache = len(ids) + args.max_tokens + cfg.beam_length + cfg.num_tree_tokens
+  rows["batch-1 step"] = dict(
+      spec=batch1_step(llm, drafter, cfg, ids, args.repeat),
+      ar=statistics.median(one_token_step_seconds(llm, 1, cache, len(ids), args.repeat)))
+  for label, slots in (("server step, 1 slot", 1), (f"server step, 1 of {args.slots}",
+                                                   args.slots)):
+    rows[label] = {mode: server_step(llm, drafter, engine_config(args, cfg, slots, mode == "spec"),
+                                     ids, mode, args.repeat) for mode in ("spec", "ar")}
+    print(f"{label}: done", file=sys.stderr, flush=True)
+  spec_s, spec_tps = served(llm, tok, drafter, engine_config(args, cfg, args.slots, True), ids,
+                            args.requests)
+  ar_s, _ = served(llm, tok, drafter, engine_config(args, cfg, args.slots, False), ids,
+                   args.requests)
+  rows["served"] = dict(spec=spec_s, ar=ar_s, tps=spec_tps)
+  return rows
+
+
+def table(rows: dict[str, dict[str, float]], args, ids: list[int], seconds: float) -> str:
+  tps = rows["served"]["tps"]
+  lines = [f"# A lone request's step in the server ({datetime.date.today()})", "",
+           f"`python -m redrafter_jax.bench server_step {' '.join(sys.argv[2:])}`".rstrip(), "",
+           f"model {args.model}, weights {args.param_dtype}, tree {args.beams.text}, prompt "
+           f"{len(ids)} tokens (chat), {args.max_tokens} new, greedy; {args.slots} slots, context "
+           f"{args.max_context} (buckets from {args.min_context_bucket}); step rows: median of "
+           f"{args.repeat}, served: of {args.requests} requests; {seconds:.0f} s in all; load "
+           f"average {load_average()}", "",
+           "| part | tree ms/step | AR ms/step | tree / AR | tree tok/s over AR tok/s at the "
+           "served tokens/step |", "|---|---:|---:|---:|---:|"]
+  for label, r in rows.items():
+    ratio = r["spec"] / r["ar"]
+    lines.append(f"| {label} | {r['spec'] * 1e3:.1f} | {r['ar'] * 1e3:.1f} | {ratio:.2f}x | "
+                 f"{tps / ratio:.2f}x |")
+  lines += ["", f"Served tokens/step of the tree: {tps:.2f} (the last column's numerator)."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from redrafter_jax.bench.decode import draft_vocab_arg, load_drafter_arg
+  from redrafter_jax.weights import tokenizer as tokenizer_lib
+  from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
+
+  t0 = time.perf_counter()
+  llm, cfg = load_base_model(args.model, param_dtype=args.param_dtype)
+  tok = load_base_tokenizer(args.model)
+  drafter = load_drafter_arg(args.drafter, cfg, exit_dim=256)
+  args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
+  ids = tokenizer_lib.encode(tok, args.prompt, chat=True)
+  if len(ids) + args.max_tokens + 16 > args.max_context:
+    raise SystemExit(f"error: the prompt ({len(ids)} tokens) and --max-tokens "
+                     f"{args.max_tokens} do not fit --max-context {args.max_context}")
+  rows = measure(llm, tok, drafter, args, ids)
+  print(table(rows, args, ids, time.perf_counter() - t0))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
