@@ -100,6 +100,32 @@ def test_tuned_times_once_per_device_and_caches(tmp_path, llm, drafter, monkeypa
   assert tree_choice.tuned(tmp_path, llm, drafter, cache=cache) is None  # no table
 
 
+def test_step_times_are_taken_in_rounds_over_every_program(llm, drafter, monkeypatch):
+  """Every tree and AR are compiled first, then timed one call each per round: a slow spell of
+  the machine slows all of them, not the one (AR, say) whose turn it was."""
+  from redrafter_jax.inference import ar
+  from redrafter_jax.inference.decode import ReDrafter
+
+  order = []
+  real_step, real_stepper = ReDrafter.step, ar.one_token_stepper
+
+  def step(self, *args, **kwargs):
+    order.append(f"{self.static_config.beam_width}x{self.static_config.beam_length}")
+    return real_step(self, *args, **kwargs)
+
+  def stepper(*args, **kwargs):
+    call = real_stepper(*args, **kwargs)
+    return lambda: (order.append("ar"), call())[1]
+
+  monkeypatch.setattr(ReDrafter, "step", step)
+  monkeypatch.setattr(ar, "one_token_stepper", stepper)
+  seconds = tree_choice.time_steps(llm, drafter, [Beams(1, 3), Beams(2, 3)], context=8,
+                                   repeat=3)
+  assert set(seconds) == {"1x3", "2x3", "ar"} and all(v > 0 for v in seconds.values())
+  # A first step each (a tree's cache width), an untimed call each, then 3 rounds.
+  assert order == ["1x3", "2x3"] + ["1x3", "2x3", "ar"] * 4
+
+
 def test_calibration_prompts_are_held_out_and_spread_over_categories(tmp_path):
   """``tune-tree`` calibrates on prompts with no teacher answer (never trained on), taken
   round-robin over categories."""

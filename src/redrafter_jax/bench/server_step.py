@@ -14,9 +14,11 @@ detokenized and handed over on the host. For the ReDrafter tree and for AR, in o
   ``served``               the request alone through an ``Engine`` of S slots: from its first
                            token to its end, per step (host work and the per-step read included)
 
-Each row's time is the median of ``--repeat`` warm calls (``served``: of ``--requests`` requests
-after one warm-up request); going down the table, each difference is what one serving layer
-costs. The prompt is ``--prompt`` as a chat message, generated greedily to ``--max-tokens``.
+The step rows are timed call by call in ``--repeat`` rounds over all six programs, each row's
+time the median (``served``: of ``--requests`` requests after one warm-up request each, the two
+engines taking turns), so a slow spell of a shared machine slows all rows alike; going down the
+table, each difference is what one serving layer costs. The prompt is ``--prompt`` as a chat
+message, generated greedily to ``--max-tokens``.
 """
 
 from __future__ import annotations
@@ -64,22 +66,9 @@ def parse_args(argv):
   return args
 
 
-def _median_call_seconds(fn, repeat: int) -> float:
-  """Median wall seconds of ``repeat`` calls of ``fn`` (each waited for), after one unmeasured
-  (compiling) call."""
-  import jax
-
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeat):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
-def batch1_step(llm, drafter, cfg, ids: list[int], repeat: int) -> float:
-  """Seconds of one ``ReDrafter.step`` on the prompt ``ids`` at batch 1 (greedy)."""
+def batch1_stepper(llm, drafter, cfg, ids: list[int], repeat: int):
+  """A call running one ``ReDrafter.step`` on the prompt ``ids`` at batch 1 (greedy); returns
+  its state without waiting for it."""
   import dataclasses
 
   from redrafter_jax.inference.decode import ReDrafter
@@ -89,11 +78,11 @@ def batch1_step(llm, drafter, cfg, ids: list[int], repeat: int) -> float:
   prepared = steps.prepare([ids])
   state = [steps.start(prepared)]
 
-  def one():
+  def call():
     state[0] = steps.step(prepared, state[0])
     return state[0]
 
-  return _median_call_seconds(one, repeat)
+  return call
 
 
 def engine_config(args, cfg, slots: int, speculative: bool):
@@ -104,10 +93,11 @@ def engine_config(args, cfg, slots: int, speculative: bool):
                       min_context_bucket=args.min_context_bucket)
 
 
-def server_step(llm, drafter, ecfg, ids: list[int], mode: str, repeat: int) -> float:
-  """Seconds of the server's step program for one live row (slot 0, greedy) at the context
-  bucket the engine would read for this request. The row is admitted again before each step
-  (waited for, not timed), so every timed step decodes rather than meets its token limit."""
+def server_stepper(llm, drafter, ecfg, ids: list[int], mode: str):
+  """A call running the server's step program for one live row (slot 0, greedy) at the context
+  bucket the engine would read for this request. Returns ``(prepare, step)``: ``prepare``
+  admits the row again and waits for that (untimed), so every timed step decodes rather than
+  meets the row's token limit."""
   import jax
 
   from redrafter_jax.serving.placement import Placement
@@ -117,62 +107,70 @@ def server_step(llm, drafter, ecfg, ids: list[int], mode: str, repeat: int) -> f
   context = next(w for w in place.context_buckets() if w >= need)
   rows = [0] if 1 in place.row_buckets() else list(range(ecfg.slots))
   live = [r == 0 for r in rows]
-  times = []
-  for i in range(repeat + 1):  # the first call compiles
+
+  def prepare():
     jax.block_until_ready(place.admit([place.admission(0, ids, 0, 0.0, 1.0, 0,
                                                        ecfg.max_tokens)]))
-    t = time.perf_counter()
-    jax.block_until_ready(place.step(rows, live, False, True, mode, context))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times[1:])
+
+  return prepare, lambda: place.step(rows, live, False, True, mode, context)
 
 
-def served(llm, tok, drafter, ecfg, ids: list[int], requests: int) -> tuple[float, float]:
-  """(seconds per step from the first token to the end, tokens per step) of ``requests``
-  greedy requests sent one at a time to an ``Engine`` (medians), after one warm-up request."""
+def served(llm, tok, drafter, configs: dict, ids: list[int], requests: int
+           ) -> dict[str, tuple[float, float]]:
+  """``{mode: (seconds per step from the first token to the end, tokens per step)}``: medians
+  over ``requests`` greedy requests sent alone to an ``Engine`` per mode (``configs``), the
+  engines taking turns, after one warm-up request each."""
   from redrafter_jax.serving.engine import Engine
   from redrafter_jax.serving.request import Finished, GenerationRequest
 
-  engine = Engine(llm, tok, drafter if ecfg.speculative else None, config=ecfg,
-                  stop_ids=()).start()
+  engines = {}
   try:
-    per_step, tps = [], []
+    for mode, ecfg in configs.items():
+      engines[mode] = Engine(llm, tok, drafter if ecfg.speculative else None, config=ecfg,
+                             stop_ids=()).start()
+    per_step = {mode: [] for mode in engines}
+    tps = {mode: [] for mode in engines}
     for i in range(requests + 1):
-      events: queue.Queue = queue.Queue()
-      engine.submit(GenerationRequest(ids, max_tokens=ecfg.max_tokens, seed=0),
-                    lambda e: events.put((time.perf_counter(), e)))
-      first, (end, done) = events.get(timeout=600)[0], (None, None)
-      while not isinstance(done, Finished):
-        end, done = events.get(timeout=600)
-      spec = done.usage["speculative"]
-      if i:  # the first request compiles its programs
-        per_step.append((end - first) / max(spec["steps"], 1))
-        tps.append(spec["tokens_per_step"])
-    return statistics.median(per_step), statistics.median(tps)
+      for mode, engine in engines.items():
+        events: queue.Queue = queue.Queue()
+        engine.submit(GenerationRequest(ids, max_tokens=configs[mode].max_tokens, seed=0),
+                      lambda e, events=events: events.put((time.perf_counter(), e)))
+        first, done = events.get(timeout=600)[0], None
+        while not isinstance(done, Finished):
+          end, done = events.get(timeout=600)
+        usage = done.usage["speculative"]
+        if i:  # the first request compiles its programs
+          per_step[mode].append((end - first) / max(usage["steps"], 1))
+          tps[mode].append(usage["tokens_per_step"])
+    return {mode: (statistics.median(per_step[mode]), statistics.median(tps[mode]))
+            for mode in engines}
   finally:
-    engine.stop()
+    for engine in engines.values():
+      engine.stop()
 
 
 def measure(llm, tok, drafter, args, ids: list[int]) -> dict[str, dict[str, float]]:
   """``{row: {"spec": seconds, "ar": seconds}}`` and the served tokens/step (``"tps"``)."""
-  from redrafter_jax.inference.ar import one_token_step_seconds
+  from redrafter_jax.inference.ar import one_token_stepper
+  from redrafter_jax.inference.timing import seconds_in_rounds
 
   cfg = args.beams.config(max_new_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab)
-  rows: dict[str, dict[str, float]] = {}
   cache = len(ids) + args.max_tokens + cfg.beam_length + cfg.num_tree_tokens
-  rows["batch-1 step"] = dict(
-      spec=batch1_step(llm, drafter, cfg, ids, args.repeat),
-      ar=statistics.median(one_token_step_seconds(llm, 1, cache, len(ids), args.repeat)))
-  for label, slots in (("server step, 1 slot", 1), (f"server step, 1 of {args.slots}",
-                                                   args.slots)):
-    rows[label] = {mode: server_step(llm, drafter, engine_config(args, cfg, slots, mode == "spec"),
-                                     ids, mode, args.repeat) for mode in ("spec", "ar")}
-    print(f"{label}: done", file=sys.stderr, flush=True)
-  spec_s, spec_tps = served(llm, tok, drafter, engine_config(args, cfg, args.slots, True), ids,
-                            args.requests)
-  ar_s, _ = served(llm, tok, drafter, engine_config(args, cfg, args.slots, False), ids,
-                   args.requests)
-  rows["served"] = dict(spec=spec_s, ar=ar_s, tps=spec_tps)
+  labels = {"b1": "batch-1 step", 1: "server step, 1 slot",
+            args.slots: f"server step, 1 of {args.slots}"}
+  calls = {("b1", "spec"): (None, batch1_stepper(llm, drafter, cfg, ids, args.repeat)),
+           ("b1", "ar"): (None, one_token_stepper(llm, 1, cache, len(ids)))}
+  for slots in (1, args.slots):
+    for mode in ("spec", "ar"):
+      calls[slots, mode] = server_stepper(llm, drafter,
+                                          engine_config(args, cfg, slots, mode == "spec"), ids,
+                                          mode)
+  seconds = seconds_in_rounds(calls, args.repeat)
+  rows = {labels[k]: {mode: seconds[k, mode] for mode in ("spec", "ar")} for k in labels}
+  print("steps: done", file=sys.stderr, flush=True)
+  got = served(llm, tok, drafter, {mode: engine_config(args, cfg, args.slots, mode == "spec")
+                                   for mode in ("spec", "ar")}, ids, args.requests)
+  rows["served"] = dict(spec=got["spec"][0], ar=got["ar"][0], tps=got["spec"][1])
   return rows
 
 

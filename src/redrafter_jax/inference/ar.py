@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,11 +51,12 @@ def one_token_step(model: Llama, last_B: jax.Array, cache: kvc.KVCache
   return logits_BTV[:, 0], kvc.advance(cache, jnp.ones((B,), jnp.int32))
 
 
-def one_token_step_seconds(model: Llama, batch: int, slots: int, length: int, repeat: int
-                           ) -> list[float]:
-  """Wall seconds of ``repeat`` calls of the one-token step (jitted, greedy, the cache donated
-  as in generation's loop) for ``batch`` rows over a cache of ``slots`` slots holding ``length``
-  tokens each; the first (compiling) call is not timed."""
+def one_token_stepper(model: Llama, batch: int, slots: int, length: int
+                      ) -> Callable[[], jax.Array]:
+  """A call that runs the one-token step once (jitted, greedy, the cache donated as in
+  generation's loop) for ``batch`` rows over a cache of ``slots`` slots holding ``length``
+  tokens each, and returns its tokens without waiting for them: for timing it against other
+  programs call by call. Each call advances the rows by one slot."""
   graphdef, state = nnx.split(model)
 
   @functools.partial(jax.jit, donate_argnums=(2,))
@@ -63,13 +64,26 @@ def one_token_step_seconds(model: Llama, batch: int, slots: int, length: int, re
     logits_BV, cache = one_token_step(nnx.merge(graphdef, state), last_B, cache)
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
 
-  cache = kvc.advance(model.init_cache(batch, slots), jnp.full((batch,), length, jnp.int32))
-  last_B = jnp.full((batch,), 1000 % model.config.vocab_size, jnp.int32)
-  last_B, cache = jax.block_until_ready(step(state, last_B, cache))
+  carry = [jnp.full((batch,), 1000 % model.config.vocab_size, jnp.int32),
+           kvc.advance(model.init_cache(batch, slots), jnp.full((batch,), length, jnp.int32))]
+
+  def call() -> jax.Array:
+    carry[:] = step(state, *carry)
+    return carry[0]
+
+  return call
+
+
+def one_token_step_seconds(model: Llama, batch: int, slots: int, length: int, repeat: int
+                           ) -> list[float]:
+  """Wall seconds of ``repeat`` calls of the one-token step (``one_token_stepper``); the first
+  (compiling) call is not timed."""
+  call = one_token_stepper(model, batch, slots, length)
+  jax.block_until_ready(call())
   times = []
   for _ in range(repeat):
     t = time.perf_counter()
-    last_B, cache = jax.block_until_ready(step(state, last_B, cache))
+    jax.block_until_ready(call())
     times.append(time.perf_counter() - t)
   return times
 

@@ -24,8 +24,6 @@ import json
 import os
 import pathlib
 import platform
-import statistics
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -175,26 +173,30 @@ def time_steps(llm, drafter, candidates: Sequence[Beams], *, draft_vocab_size: i
                context: int = TIMING_CONTEXT, repeat: int = 12) -> dict[str, float]:
   """Median seconds of one step of each candidate (draft, verify, accept, commit: the
   ``ReDrafter.step`` program) at batch 1 with ``context`` tokens in the cache, and of the AR
-  one-token step over the same cache slots (key "ar"). Compilation is not timed."""
-  from redrafter_jax.inference.ar import one_token_step_seconds
+  one-token step over the same cache slots (key "ar"). Every program is compiled first, then
+  timed call by call in ``repeat`` rounds over all of them: a slow spell of a shared machine
+  slows every candidate and AR alike instead of the ones timed then (AR's time divides every
+  prediction: timed alone in a slow spell, it makes every tree look cheap)."""
+  from redrafter_jax.inference.ar import one_token_stepper
   from redrafter_jax.inference.decode import ReDrafter
+  from redrafter_jax.inference.timing import seconds_in_rounds
 
   prompt = np.random.default_rng(0).integers(0, llm.config.vocab_size, context).tolist()
-  out, slots = {}, None
+  calls, slots = {}, None
   for b in candidates:
     rd = ReDrafter(llm, drafter, b.config(max_new_tokens=(repeat + 2) * b.length,
                                           draft_vocab_size=draft_vocab_size))
     p = rd.prepare([prompt])
-    state = jax.block_until_ready(rd.step(p, rd.start(p)))  # compiles
-    slots = rd.width(p, state) or p.cache_size
-    times = []
-    for _ in range(repeat):
-      t = time.perf_counter()
-      state = jax.block_until_ready(rd.step(p, state))
-      times.append(time.perf_counter() - t)
-    out[b.text] = statistics.median(times)
-  out["ar"] = statistics.median(one_token_step_seconds(llm, 1, slots or 256, context, repeat))
-  return out
+    state = [jax.block_until_ready(rd.step(p, rd.start(p)))]
+    slots = rd.width(p, state[0]) or p.cache_size
+
+    def call(rd=rd, p=p, state=state):
+      state[0] = rd.step(p, state[0])
+      return state[0]
+
+    calls[b.text] = call
+  calls["ar"] = one_token_stepper(llm, 1, slots or 256, context)
+  return seconds_in_rounds({name: (None, call) for name, call in calls.items()}, repeat)
 
 
 def device_description(llm, drafter, draft_vocab_size: int) -> dict:
@@ -286,6 +288,7 @@ def for_device(acceptance: dict[Beams, float], llm, drafter, *, draft_vocab_size
   trees = sorted(acceptance, key=lambda b: b.text)
   desc = device_description(llm, drafter, draft_vocab_size)
   desc["trees"] = [b.text for b in trees]
+  desc["timing"] = "interleaved"  # entries timed one program after another are measured again
   digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
   path = timing_cache(cache) / f"{digest}.json"
   seconds = None

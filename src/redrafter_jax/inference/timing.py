@@ -1,0 +1,34 @@
+"""Timing several programs against each other on a shared machine."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Hashable, Mapping
+
+import jax
+
+Call = Callable[[], object]
+
+
+def seconds_in_rounds(calls: Mapping[Hashable, tuple[Call | None, Call]], repeat: int
+                      ) -> dict[Hashable, float]:
+  """Median wall seconds of each ``(prepare, call)`` in ``calls``: ``call``'s result is waited
+  for; ``prepare`` (None: nothing) runs before each call, untimed. One untimed (compiling) call
+  each, then ``repeat`` rounds of one call each, so that a slow spell of a shared machine slows
+  every program alike instead of whichever was being timed then: ratios between them hold."""
+
+  def once(prepare: Call | None, call: Call) -> float:
+    if prepare is not None:
+      prepare()
+    t = time.perf_counter()
+    jax.block_until_ready(call())
+    return time.perf_counter() - t
+
+  for prepare, call in calls.values():
+    once(prepare, call)
+  times: dict[Hashable, list[float]] = {name: [] for name in calls}
+  for _ in range(repeat):
+    for name, (prepare, call) in calls.items():
+      times[name].append(once(prepare, call))
+  return {name: statistics.median(t) for name, t in times.items()}
