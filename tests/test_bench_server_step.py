@@ -7,13 +7,15 @@ import pytest
 from redrafter_jax.bench import server_step
 
 
-def test_server_step_bench_rows(capsys):
+def test_server_step_bench_rows(capsys, tmp_path):
+  out = tmp_path / "server_step.md"
   rc = server_step.main(["--model", "random:tiny", "--drafter", "random", "--param-dtype",
                          "float32", "--prompt", "hello there", "--max-tokens", "6", "--slots",
                          "2", "--max-context", "64", "--min-context-bucket", "32", "--repeat",
-                         "2", "--requests", "1", "--beams", "1x3"])
+                         "2", "--requests", "1", "--beams", "1x3", "--out", str(out)])
   assert rc == 0
-  text = capsys.readouterr().out
+  text = out.read_text()
+  assert text in capsys.readouterr().out
   rows = [line.split("|")[1:-1] for line in text.splitlines()
           if line.startswith("| ") and not line.startswith("| part")]
   assert [r[0].strip() for r in rows] == ["batch-1 step", "server step, 1 slot",

@@ -14,10 +14,10 @@ is dequantized on the machine by NumPy code of this module, not by ``gguf``:
                        config.json, tokenizer) that ``load_llama`` and ``bench suite --model``
                        read;
   ``run``     (there)  unpack, ``pytest -m gpu``, ``tune-tree --time-only`` (the tree this GPU
-                       picks), ``bench layers`` (unrolled vs scanned), then ``bench suite --gpu``
-                       on the unpacked model
-                       (``gpu_commands``). ``--dry-run`` runs the same on CPU with the CPU-sized checks: unpack,
-                       the unpacked weights against the GGUF reader's, one greedy generation, and
+                       picks), ``bench layers`` (unrolled vs scanned), ``bench server_step``,
+                       then ``bench suite --gpu`` on the unpacked model (``gpu_commands``).
+                       ``--dry-run`` runs the same on CPU with the CPU-sized checks: unpack, the
+                       unpacked weights against the GGUF reader's, one greedy generation, and
                        prints the GPU commands instead of running them.
 """
 
@@ -139,7 +139,8 @@ def unpack(src: pathlib.Path, out: pathlib.Path) -> dict[str, np.ndarray]:
 def gpu_commands(model: pathlib.Path) -> list[list[str]]:
   """The GPU work: the ``gpu`` tests, the draft tree this GPU would pick (``tune-tree
   --time-only``: the shipped drafter's tokens/step with this device's step times), layers
-  unrolled vs scanned (``bench layers``), then the suite's GPU preset (bf16, cuDNN, batch 1-16,
+  unrolled vs scanned (``bench layers``), a lone request's step by serving layer (``bench
+  server_step``), then the suite's GPU preset (bf16, cuDNN, batch 1-16,
   AR vs ReDrafter, per-step split) and quick runs of the other two backends. Results go under
   ``$OUT/results`` when the device tool's ``$OUT`` is set (what it brings back), else
   ``results/``."""
@@ -151,7 +152,10 @@ def gpu_commands(model: pathlib.Path) -> list[list[str]]:
                "--param-dtype", "bfloat16"]
   layers = py + ["-m", "redrafter_jax.bench", "layers", "--model", str(model), "--param-dtype",
                  "bfloat16", "--out", str(pathlib.Path(out) / "layers.md")]
-  return [py + ["-m", "pytest", "-q", "-m", "gpu", "tests"], tune, layers, suite,
+  server_step = py + ["-m", "redrafter_jax.bench", "server_step", "--model", str(model),
+                      "--param-dtype", "bfloat16", "--out",
+                      str(pathlib.Path(out) / "server_step.md")]
+  return [py + ["-m", "pytest", "-q", "-m", "gpu", "tests"], tune, layers, server_step, suite,
           suite + ["--attention", "pallas", "--quick"], suite + ["--attention", "xla", "--quick"]]
 
 

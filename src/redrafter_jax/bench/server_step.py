@@ -1,4 +1,4 @@
-"""``python -m redrafter_jax.bench server_step``: a lone request's step in the server, layer by layer.
+"""``python -m redrafter_jax.bench server_step``: a lone request's step, serving layer by layer.
 
 Alone on the server, a request runs the step ``generate``'s loop runs, plus what serving adds:
 the step reads a context bucket of the cache (``--min-context-bucket`` and up) rather than a
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import pathlib
 import queue
 import statistics
 import sys
@@ -54,6 +55,7 @@ def parse_args(argv):
   p.add_argument("--min-context-bucket", type=int, default=512)
   p.add_argument("--repeat", type=int, default=20, help="warm calls per step row (median)")
   p.add_argument("--requests", type=int, default=3, help="lone requests for the served row")
+  p.add_argument("--out", type=pathlib.Path, help="also write the table (markdown) here")
   args = p.parse_args(argv)
   try:
     (args.beams,) = Beams.parse_list(args.beams)
@@ -209,7 +211,11 @@ def main(argv=None) -> int:
     raise SystemExit(f"error: the prompt ({len(ids)} tokens) and --max-tokens "
                      f"{args.max_tokens} do not fit --max-context {args.max_context}")
   rows = measure(llm, tok, drafter, args, ids)
-  print(table(rows, args, ids, time.perf_counter() - t0))
+  out = table(rows, args, ids, time.perf_counter() - t0)
+  print(out)
+  if args.out:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(out)
   return 0
 
 
