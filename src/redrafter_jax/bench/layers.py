@@ -84,6 +84,7 @@ def measure(llm, drafter, args, prompts) -> tuple[list[dict], list[list[int]]]:
 
   from redrafter_jax.inference.ar import generate, one_token_step_seconds
   from redrafter_jax.inference.decode import ReDrafter
+  from redrafter_jax.inference.timing import TreeStepper
 
   cfg = args.beams.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
   rd = ReDrafter(llm, drafter, cfg)
@@ -94,18 +95,11 @@ def measure(llm, drafter, args, prompts) -> tuple[list[dict], list[list[int]]]:
   _, secs = _first(lambda: generate(llm, prompts, max_new_tokens=args.max_new_tokens).tokens)
   rows.append(dict(program="generate", compile_s=secs, warm_s=_warm(
       lambda: generate(llm, prompts, max_new_tokens=args.max_new_tokens).tokens, args.repeat)))
-  steps = ReDrafter(llm, drafter, args.beams.config(
-      max_new_tokens=(args.repeat + 2) * args.beams.length, draft_vocab_size=args.draft_vocab))
-  p = steps.prepare(prompts[:1])
-  state = [steps.start(p)]
-
-  def one_step():
-    state[0] = steps.step(p, state[0])
-    return state[0]
-
+  one_step = TreeStepper(llm, drafter, args.beams.config(draft_vocab_size=args.draft_vocab),
+                         prompts[0], args.repeat)
   _, secs = _first(one_step)
   rows.append(dict(program="step", compile_s=secs, warm_s=_warm(one_step, args.repeat)))
-  slots = steps.width(p, state[0]) or p.cache_size
+  slots = one_step.cache_width()
   with compile_seconds() as secs:
     ar = one_token_step_seconds(llm, 1, slots, args.context, args.repeat)
   rows.append(dict(program="ar step", compile_s=secs[0], warm_s=statistics.median(ar)))

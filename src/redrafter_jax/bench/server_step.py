@@ -68,25 +68,6 @@ def parse_args(argv):
   return args
 
 
-def batch1_stepper(llm, drafter, cfg, ids: list[int], repeat: int):
-  """A call running one ``ReDrafter.step`` on the prompt ``ids`` at batch 1 (greedy); returns
-  its state without waiting for it."""
-  import dataclasses
-
-  from redrafter_jax.inference.decode import ReDrafter
-
-  steps = ReDrafter(llm, drafter, dataclasses.replace(
-      cfg, max_new_tokens=(repeat + 2) * cfg.beam_length))
-  prepared = steps.prepare([ids])
-  state = [steps.start(prepared)]
-
-  def call():
-    state[0] = steps.step(prepared, state[0])
-    return state[0]
-
-  return call
-
-
 def engine_config(args, cfg, slots: int, speculative: bool):
   from redrafter_jax.serving.engine import EngineConfig
 
@@ -154,13 +135,13 @@ def served(llm, tok, drafter, configs: dict, ids: list[int], requests: int
 def measure(llm, tok, drafter, args, ids: list[int]) -> dict[str, dict[str, float]]:
   """``{row: {"spec": seconds, "ar": seconds}}`` and the served tokens/step (``"tps"``)."""
   from redrafter_jax.inference.ar import one_token_stepper
-  from redrafter_jax.inference.timing import seconds_in_rounds
+  from redrafter_jax.inference.timing import TreeStepper, seconds_in_rounds
 
   cfg = args.beams.config(max_new_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab)
   cache = len(ids) + args.max_tokens + cfg.beam_length + cfg.num_tree_tokens
   labels = {"b1": "batch-1 step", 1: "server step, 1 slot",
             args.slots: f"server step, 1 of {args.slots}"}
-  calls = {("b1", "spec"): (None, batch1_stepper(llm, drafter, cfg, ids, args.repeat)),
+  calls = {("b1", "spec"): (None, TreeStepper(llm, drafter, cfg, ids, args.repeat)),
            ("b1", "ar"): (None, one_token_stepper(llm, 1, cache, len(ids)))}
   for slots in (1, args.slots):
     for mode in ("spec", "ar"):

@@ -32,3 +32,27 @@ def seconds_in_rounds(calls: Mapping[Hashable, tuple[Call | None, Call]], repeat
     for name, (prepare, call) in calls.items():
       times[name].append(once(prepare, call))
   return {name: statistics.median(t) for name, t in times.items()}
+
+
+class TreeStepper:
+  """``ReDrafter.step`` at batch 1 on one prompt, one step per call (for timing it against other
+  programs call by call): each call dispatches the next step and returns its state without
+  waiting for it. The cache holds ``calls`` steps beyond the first two, so every call decodes."""
+
+  def __init__(self, llm, drafter, cfg, prompt, calls: int):
+    import dataclasses
+
+    from redrafter_jax.inference.decode import ReDrafter
+
+    self.rd = ReDrafter(llm, drafter, dataclasses.replace(
+        cfg, max_new_tokens=(calls + 2) * cfg.beam_length))
+    self.prepared = self.rd.prepare([prompt])
+    self.state = self.rd.start(self.prepared)
+
+  def __call__(self):
+    self.state = self.rd.step(self.prepared, self.state)
+    return self.state
+
+  def cache_width(self) -> int:
+    """The cache slots the step reads (after a first call)."""
+    return self.rd.width(self.prepared, self.state) or self.prepared.cache_size

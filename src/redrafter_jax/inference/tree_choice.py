@@ -178,22 +178,14 @@ def time_steps(llm, drafter, candidates: Sequence[Beams], *, draft_vocab_size: i
   slows every candidate and AR alike instead of the ones timed then (AR's time divides every
   prediction: timed alone in a slow spell, it makes every tree look cheap)."""
   from redrafter_jax.inference.ar import one_token_stepper
-  from redrafter_jax.inference.decode import ReDrafter
-  from redrafter_jax.inference.timing import seconds_in_rounds
+  from redrafter_jax.inference.timing import TreeStepper, seconds_in_rounds
 
   prompt = np.random.default_rng(0).integers(0, llm.config.vocab_size, context).tolist()
   calls, slots = {}, None
   for b in candidates:
-    rd = ReDrafter(llm, drafter, b.config(max_new_tokens=(repeat + 2) * b.length,
-                                          draft_vocab_size=draft_vocab_size))
-    p = rd.prepare([prompt])
-    state = [jax.block_until_ready(rd.step(p, rd.start(p)))]
-    slots = rd.width(p, state[0]) or p.cache_size
-
-    def call(rd=rd, p=p, state=state):
-      state[0] = rd.step(p, state[0])
-      return state[0]
-
+    call = TreeStepper(llm, drafter, b.config(draft_vocab_size=draft_vocab_size), prompt, repeat)
+    jax.block_until_ready(call())
+    slots = call.cache_width()
     calls[b.text] = call
   calls["ar"] = one_token_stepper(llm, 1, slots or 256, context)
   return seconds_in_rounds({name: (None, call) for name, call in calls.items()}, repeat)
