@@ -8,7 +8,7 @@ import re
 import pytest
 
 import tiny_models
-from redrafter_jax.bench import _runner, decode as bench_decode, report, suite
+from redrafter_jax.bench import _common, _runner, decode as bench_decode, report, suite
 
 PNGS = {"speedup_vs_beam_width.png", "accepted_length_histogram.png", "step_split.png"}
 
@@ -314,7 +314,7 @@ def test_step_split_leaves_a_bf16_model_as_it_was(tiny):
   from redrafter_jax.weights.llama_weights import load_llama
 
   llm, cfg = load_llama(tiny[0], param_dtype=jnp.bfloat16)
-  drafter = bench_decode.load_drafter_arg("random", cfg, 32)
+  drafter = _common.load_drafter_arg("random", cfg, 32)
   split = bench_decode.step_split(llm, drafter, [5, 6, 7, 8], bench_decode.Beams(2, 3).config(
       max_new_tokens=8), repeat=2)
   assert llm.embed_tokens.embedding[...].dtype == jnp.bfloat16

@@ -12,7 +12,7 @@ import pytest
 from redrafter_jax import cli
 from redrafter_jax.training import data, features, losses, trainer
 from redrafter_jax.weights.base_model import load_base_model
-from tests.test_trainer import VOCAB, preset, write_synthetic
+from tests.test_trainer import preset, write_synthetic
 
 SEQ = 64
 

@@ -169,8 +169,8 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
 def test_a_step_after_a_prefill_does_not_price_the_step(self_engine, reference):
   """The device runs an admission's prefill just before the next step, so the time between
   two reads is both's: the served-cost table leaves that step out (the policy compares step
-  costs; a prefill costs the same whichever mode follows). A request alone: one admission,
-  so every step but the first is observed."""
+  costs; a prefill costs the same whichever mode follows), though it counts as run. A request
+  alone: one admission, so every step but the first is priced."""
   engine = self_engine
   warm = {(b, m, k, c): 0.01 for b in engine._place.row_buckets() for m in policy.MODES
           for k in policy.KINDS for c in engine._place.context_buckets()}
@@ -184,11 +184,11 @@ def test_a_step_after_a_prefill_does_not_price_the_step(self_engine, reference):
     alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
     time.sleep(0.5)
     steps = sum((engine.step_counts - before).values())
-    observed = engine.costs.steps
+    counted, priced = engine.costs.steps, sum(n for _, n in engine.costs.seen.values())
   finally:
     engine.costs = None
   assert alone.token_ids == expected(reference[2], 12)
-  assert steps >= 3 and observed == steps - 1, (steps, observed)
+  assert steps >= 3 and counted == steps and priced == steps - 1, (steps, counted, priced)
 
 
 def test_step_costs_are_read_at_the_context_a_step_reads(self_engine, reference):

@@ -121,9 +121,63 @@ def test_the_mode_not_chosen_is_priced_under_load():
     costs.observe((8, mode, "greedy", 512), {"ar": 0.06, "spec": 0.27}[mode])
   # Warm-up table: spec (0.045 s/token) beats AR (0.06), but AR is explored until priced
   # (steps 0-1), then spec runs until its served cost is in use (0.135 s/token: it loses to
-  # AR's 0.06), and from then on AR runs, the tree again only when its cost is over 5 steps old.
-  assert [i for i, m in enumerate(run) if m == "spec"] == [2, 3, 10, 17], run
+  # AR's 0.06), and from then on AR runs, the tree again after every 5 steps of AR.
+  assert [i for i, m in enumerate(run) if m == "spec"] == [2, 3, 9, 15], run
   assert policy.explore(8, "spec", "greedy", 512, None, MODES, every=5) == "spec"
   assert policy.explore(8, "spec", "greedy", 512, costs, MODES, every=0) == "spec"
   frozen = policy.StepCosts(warm, min_seen=None)
   assert policy.explore(8, "spec", "greedy", 512, frozen, MODES, every=5) == "spec"
+
+
+def test_exploration_interval_keeps_the_loss_within_the_budget():
+  """A run of the mode not chosen loses its seconds minus the chosen mode's price for its
+  tokens; ``budget`` spaces the runs out so that the loss stays within that fraction of the
+  served time (never closer than ``every``, never further than ``every * MAX_STRETCH``)."""
+  assert policy.explore_interval(0.052, 0.059, 64, 0.01) == 89  # ceil(0.052 / 0.00059)
+  assert policy.explore_interval(0.052, 0.059, 64, 0.0) == 64  # no budget: every
+  assert policy.explore_interval(-0.01, 0.059, 64, 0.01) == 64  # it would not lose
+  assert policy.explore_interval(0.001, 0.059, 64, 0.01) == 64  # cheap: no closer than every
+  assert policy.explore_interval(10.0, 0.059, 64, 0.01) == 64 * policy.MAX_STRETCH
+
+  warm = {(8, "ar", "greedy", 512): 0.06, (8, "spec", "greedy", 512): 0.27}
+  tps = {"ar": 1.0, "spec": 2.0}
+  for budget, every in ((0.08, 5), (0.04, 5), (0.02, 5), (0.0, 5)):
+    costs = policy.StepCosts(warm, min_seen=1)
+    run = []
+    for _ in range(400):
+      b, mode = policy.plan(8, "greedy", costs.table("greedy", 512), tps, MODES, [8])
+      mode = policy.explore(b, mode, "greedy", 512, costs, MODES, every, tokens_per_step=tps,
+                            budget=budget)
+      run.append(mode)
+      costs.observe((8, mode, "greedy", 512), warm[8, mode, "greedy", 512])
+    trees = run.count("spec")
+    assert run[0] == "spec" and trees >= 2, run  # priced first, then explored again
+    # Each tree step loses 0.27 - 2 * 0.06 = 0.15 s against AR's price for its tokens; the
+    # first one prices the tree (it runs whatever the budget), the others explore.
+    lost, served = 0.15 * (trees - 1), 0.06 * run.count("ar")
+    gap = policy.explore_interval(0.15, 0.06, every, budget) + 1  # steps from one to the next
+    assert trees == len(range(0, 400, gap)), (budget, trees)
+    if budget >= 0.04:  # within the stretch limit: the loss is within the budget
+      assert gap <= every * policy.MAX_STRETCH and lost / served <= budget, (budget, trees)
+    elif budget:  # 0.02 would need 125 steps between runs: the limit (80) holds them closer
+      assert gap == every * policy.MAX_STRETCH + 1 and lost / served > budget
+
+
+def test_a_step_that_is_not_priced_still_counts_as_run():
+  """A step right after a prefill is not priced (its time is both's) but it ran: the other
+  mode is not explored again at once because of it."""
+  warm = {(8, "ar", "greedy", 512): 0.06, (8, "spec", "greedy", 512): 0.27}
+  costs = policy.StepCosts(warm, min_seen=1)
+  costs.observe((8, "spec", "greedy", 512), 0.27)
+  for _ in range(10):
+    costs.observe((8, "ar", "greedy", 512), 0.06)
+  assert policy.explore(8, "ar", "greedy", 512, costs, MODES, every=5) == "spec"  # 10 steps old
+  costs.observe((8, "spec", "greedy", 512), None)  # explored right after a prefill
+  assert costs.seen[8, "spec", "greedy", 512] == (0.27, 1) and costs.age(
+      (8, "spec", "greedy", 512)) == 0
+  assert policy.explore(8, "ar", "greedy", 512, costs, MODES, every=5) == "ar"
+  # Unpriced keys are explored until priced, whatever their age.
+  fresh = policy.StepCosts(warm, min_seen=2)
+  fresh.observe((8, "spec", "greedy", 512), None)
+  assert not fresh.priced((8, "spec", "greedy", 512))
+  assert policy.explore(8, "ar", "greedy", 512, fresh, MODES, every=5) == "spec"

@@ -164,7 +164,7 @@ def load_models(o):
   ``adds_fp32_ar(o)``, the second transformers model only when ``adds_hf_bf16(o)``."""
   import jax.numpy as jnp
 
-  from redrafter_jax.bench.decode import load_drafter_arg
+  from redrafter_jax.bench._common import load_drafter_arg
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
   from redrafter_jax.weights.tokenizer import load_tokenizer
 

@@ -132,7 +132,7 @@ def runs(hits_xn: np.ndarray, L: int) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-  from redrafter_jax.bench.decode import draft_vocab_arg, load_drafter_arg
+  from redrafter_jax.bench._common import draft_vocab_arg, load_drafter_arg
   from redrafter_jax.inference.ar import generate
 
   ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench acceptance",

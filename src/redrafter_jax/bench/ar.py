@@ -19,7 +19,6 @@ import functools
 import os
 import pathlib
 import platform
-import statistics
 import sys
 import time
 
@@ -162,16 +161,6 @@ def _jitted_forward():
   return forward
 
 
-def median_ms(fn, reps: int) -> float:
-  for _ in range(2):
-    fn()
-  times = []
-  for _ in range(reps):
-    _, t = clock(fn)
-    times.append(t)
-  return 1000 * statistics.median(times)
-
-
 def forward_table(model, hf, prefix: list[int], sizes: list[int], reps: int) -> list[str]:
   import jax
   import jax.numpy as jnp
@@ -180,6 +169,7 @@ def forward_table(model, hf, prefix: list[int], sizes: list[int], reps: int) -> 
   from flax import nnx
 
   from redrafter_jax.inference.runtime import cache_size_for, prefill
+  from redrafter_jax.inference.timing import median_seconds
 
   P = len(prefix)
   size = cache_size_for(P, max(sizes), 1, model.config.max_position_embeddings)
@@ -208,8 +198,8 @@ def forward_table(model, hf, prefix: list[int], sizes: list[int], reps: int) -> 
         hf(new_torch, past_key_values=hf_cache, use_cache=True)
       hf_cache.crop(-T)  # drop the T new tokens again
 
-    ms_ours = median_ms(ours, reps)
-    ms_hf = median_ms(theirs, reps)
+    ms_ours = 1e3 * median_seconds(ours, reps, warmup=2)
+    ms_hf = 1e3 * median_seconds(theirs, reps, warmup=2)
     ms_one = ms_ours if T == 1 else ms_one
     lines.append(f"| {T} | {ms_ours:.1f} | {ms_hf:.1f} | {ms_hf / ms_ours:.2f}x "
                  f"| {ms_ours / T:.2f} | {f'{ms_ours / ms_one:.2f}' if ms_one else 'n/a'} |")

@@ -17,16 +17,16 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from redrafter_jax.config import DecodeConfig, DrafterConfig
+from redrafter_jax.config import DecodeConfig
+from redrafter_jax.bench._common import draft_vocab_arg, load_drafter_arg
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import ReDrafter
+from redrafter_jax.inference.timing import median_seconds
 from redrafter_jax.inference.tree_choice import Beams
 from redrafter_jax.models import linear
-from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
@@ -42,14 +42,8 @@ def load_prompts(path, tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
   return ids[::step][:n]
 
 
-def _timed(fn, *args, repeat: int):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeat):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times)) * 1e3
+def _ms(fn, *args, repeat: int) -> float:
+  return 1e3 * median_seconds(lambda: fn(*args), repeat)
 
 
 def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
@@ -83,31 +77,12 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
 
   beams, tree = draft(llm_state, d_state, state)
   logits, hidden, cache = verify(llm_state, state, tree)
-  out = dict(draft_ms=_timed(draft, draft_state, d_state, state, repeat=repeat),
-             verify_ms=_timed(verify, llm_state, state, tree, repeat=repeat),
-             accept_commit_ms=_timed(accept_commit, state, beams, tree, logits, hidden, cache,
+  out = dict(draft_ms=_ms(draft, draft_state, d_state, state, repeat=repeat),
+             verify_ms=_ms(verify, llm_state, state, tree, repeat=repeat),
+             accept_commit_ms=_ms(accept_commit, state, beams, tree, logits, hidden, cache,
                                      repeat=repeat))
   out["overhead_vs_verify"] = (out["draft_ms"] + out["accept_commit_ms"]) / out["verify_ms"]
   return out
-
-
-def load_drafter_arg(spec: str, llm_cfg, exit_dim: int, dtype=jnp.float32) -> Drafter:
-  if spec == "random":
-    return Drafter(DrafterConfig(vocab_size=llm_cfg.vocab_size, hidden_size=llm_cfg.hidden_size,
-                                 exit_dim=exit_dim), dtype=dtype, rngs=nnx.Rngs(0))
-  from redrafter_jax.weights.drafter_io import load_drafter
-  from redrafter_jax.weights.shipped import resolve_drafter
-
-  return load_drafter(resolve_drafter(spec), dtype=dtype)
-
-
-def draft_vocab_arg(spec: str, value: int | None) -> int:
-  """``--draft-vocab``, defaulting to the drafter's recommended size (its decode.json), else all."""
-  if spec == "random":
-    return value or 0
-  from redrafter_jax.weights.shipped import draft_vocab_for, resolve_drafter
-
-  return draft_vocab_for(resolve_drafter(spec), value)
 
 
 def main(argv=None) -> int:

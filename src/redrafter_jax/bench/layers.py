@@ -59,17 +59,6 @@ def parse_args(argv):
   return args
 
 
-def _warm(fn, repeat: int) -> float:
-  import jax
-
-  times = []
-  for _ in range(repeat):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
 def _first(fn):
   import jax
 
@@ -84,21 +73,23 @@ def measure(llm, drafter, args, prompts) -> tuple[list[dict], list[list[int]]]:
 
   from redrafter_jax.inference.ar import generate, one_token_step_seconds
   from redrafter_jax.inference.decode import ReDrafter
-  from redrafter_jax.inference.timing import TreeStepper
+  from redrafter_jax.inference.timing import TreeStepper, median_seconds
 
   cfg = args.beams.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
   rd = ReDrafter(llm, drafter, cfg)
   rows = []
   result, secs = _first(lambda: rd(prompts))
-  rows.append(dict(program="decode", compile_s=secs, warm_s=_warm(lambda: rd(prompts),
-                                                                  args.repeat)))
+  rows.append(dict(program="decode", compile_s=secs, warm_s=median_seconds(
+      lambda: rd(prompts), args.repeat, warmup=0)))
   _, secs = _first(lambda: generate(llm, prompts, max_new_tokens=args.max_new_tokens).tokens)
-  rows.append(dict(program="generate", compile_s=secs, warm_s=_warm(
-      lambda: generate(llm, prompts, max_new_tokens=args.max_new_tokens).tokens, args.repeat)))
+  rows.append(dict(program="generate", compile_s=secs, warm_s=median_seconds(
+      lambda: generate(llm, prompts, max_new_tokens=args.max_new_tokens).tokens, args.repeat,
+      warmup=0)))
   one_step = TreeStepper(llm, drafter, args.beams.config(draft_vocab_size=args.draft_vocab),
                          prompts[0], args.repeat)
   _, secs = _first(one_step)
-  rows.append(dict(program="step", compile_s=secs, warm_s=_warm(one_step, args.repeat)))
+  rows.append(dict(program="step", compile_s=secs, warm_s=median_seconds(one_step, args.repeat,
+                                                                      warmup=0)))
   slots = one_step.cache_width()
   with compile_seconds() as secs:
     ar = one_token_step_seconds(llm, 1, slots, args.context, args.repeat)
@@ -139,14 +130,11 @@ def main(argv=None) -> int:
   import numpy as np
   from flax import nnx
 
-  from redrafter_jax.bench.decode import draft_vocab_arg, load_drafter_arg
+  from redrafter_jax.bench._common import emit, load_models
   from redrafter_jax.models.llama import stack_layers
-  from redrafter_jax.weights.base_model import load_base_model
 
   t0 = time.perf_counter()
-  llm, cfg = load_base_model(args.model, param_dtype=args.param_dtype)
-  drafter = load_drafter_arg(args.drafter, cfg, exit_dim=256)
-  args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
+  llm, cfg, drafter = load_models(args)
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.context)).tolist()
   results, tokens = {}, {}
@@ -155,11 +143,7 @@ def main(argv=None) -> int:
     results[form], tokens[form] = measure(model, drafter, args, prompts)
     print(f"{form}: done", file=sys.stderr, flush=True)
   same = tokens["unrolled"] == tokens["scanned"] if len(tokens) == 2 else None
-  out = table(results, same, args, time.perf_counter() - t0)
-  print(out)
-  if args.out:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(out)
+  emit(table(results, same, args, time.perf_counter() - t0), args.out)
   return 0
 
 

@@ -178,25 +178,19 @@ def table(rows: dict[str, dict[str, float]], args, ids: list[int], seconds: floa
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from redrafter_jax.bench.decode import draft_vocab_arg, load_drafter_arg
+  from redrafter_jax.bench._common import emit, load_models
   from redrafter_jax.weights import tokenizer as tokenizer_lib
-  from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
+  from redrafter_jax.weights.base_model import load_base_tokenizer
 
   t0 = time.perf_counter()
-  llm, cfg = load_base_model(args.model, param_dtype=args.param_dtype)
+  llm, cfg, drafter = load_models(args)
   tok = load_base_tokenizer(args.model)
-  drafter = load_drafter_arg(args.drafter, cfg, exit_dim=256)
-  args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
   ids = tokenizer_lib.encode(tok, args.prompt, chat=True)
   if len(ids) + args.max_tokens + 16 > args.max_context:
     raise SystemExit(f"error: the prompt ({len(ids)} tokens) and --max-tokens "
                      f"{args.max_tokens} do not fit --max-context {args.max_context}")
   rows = measure(llm, tok, drafter, args, ids)
-  out = table(rows, args, ids, time.perf_counter() - t0)
-  print(out)
-  if args.out:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(out)
+  emit(table(rows, args, ids, time.perf_counter() - t0), args.out)
   return 0
 
 

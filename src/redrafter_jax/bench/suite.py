@@ -174,7 +174,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.error(f"--skip-per-category must be >= 0, got {o.skip_per_category}")
   if any(b < 1 for b in o.batch_sizes):
     p.error(f"--batch-sizes must be >= 1, got {o.batch_sizes}")
-  from redrafter_jax.bench.decode import draft_vocab_arg
+  from redrafter_jax.bench._common import draft_vocab_arg
 
   try:
     o.draft_vocab = draft_vocab_arg(o.drafter, o.draft_vocab)

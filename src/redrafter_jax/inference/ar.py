@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -17,6 +16,7 @@ import numpy as np
 from flax import nnx, struct
 
 from redrafter_jax.inference import sampling
+from redrafter_jax.inference.timing import timed_calls
 from redrafter_jax.inference.runtime import (GenerateError, Output, cache_size_for,
                                              check_sampling, empty_output, pack_prompts, prefill,
                                              record)
@@ -78,14 +78,7 @@ def one_token_step_seconds(model: Llama, batch: int, slots: int, length: int, re
                            ) -> list[float]:
   """Wall seconds of ``repeat`` calls of the one-token step (``one_token_stepper``); the first
   (compiling) call is not timed."""
-  call = one_token_stepper(model, batch, slots, length)
-  jax.block_until_ready(call())
-  times = []
-  for _ in range(repeat):
-    t = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - t)
-  return times
+  return timed_calls(one_token_stepper(model, batch, slots, length), repeat)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_size",

@@ -11,26 +11,39 @@ import jax
 Call = Callable[[], object]
 
 
+def _once(prepare: Call | None, call: Call) -> float:
+  if prepare is not None:
+    prepare()
+  t = time.perf_counter()
+  jax.block_until_ready(call())
+  return time.perf_counter() - t
+
+
+def timed_calls(call: Call, repeat: int, *, warmup: int = 1) -> list[float]:
+  """Wall seconds of ``repeat`` calls of ``call`` (its result waited for), after ``warmup``
+  untimed ones (the first compiles)."""
+  for _ in range(warmup):
+    _once(None, call)
+  return [_once(None, call) for _ in range(repeat)]
+
+
+def median_seconds(call: Call, repeat: int, *, warmup: int = 1) -> float:
+  """The median of ``timed_calls``: one program timed alone."""
+  return statistics.median(timed_calls(call, repeat, warmup=warmup))
+
+
 def seconds_in_rounds(calls: Mapping[Hashable, tuple[Call | None, Call]], repeat: int
                       ) -> dict[Hashable, float]:
   """Median wall seconds of each ``(prepare, call)`` in ``calls``: ``call``'s result is waited
   for; ``prepare`` (None: nothing) runs before each call, untimed. One untimed (compiling) call
   each, then ``repeat`` rounds of one call each, so that a slow spell of a shared machine slows
   every program alike instead of whichever was being timed then: ratios between them hold."""
-
-  def once(prepare: Call | None, call: Call) -> float:
-    if prepare is not None:
-      prepare()
-    t = time.perf_counter()
-    jax.block_until_ready(call())
-    return time.perf_counter() - t
-
   for prepare, call in calls.values():
-    once(prepare, call)
+    _once(prepare, call)
   times: dict[Hashable, list[float]] = {name: [] for name in calls}
   for _ in range(repeat):
     for name, (prepare, call) in calls.items():
-      times[name].append(once(prepare, call))
+      times[name].append(_once(prepare, call))
   return {name: statistics.median(t) for name, t in times.items()}
 
 

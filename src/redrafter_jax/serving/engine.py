@@ -83,6 +83,9 @@ class EngineConfig:
   # Run the mode not chosen once its served cost at the step's rows bucket is this many steps
   # old (``policy.explore``), so that both modes are priced under the load at hand; 0: never.
   explore_every: int = 64
+  # ... and space those runs out so that what they lose against the chosen mode stays within
+  # this fraction of the served time (``policy.explore_interval``); 0: every explore_every.
+  explore_budget: float = 0.01
 
   def __post_init__(self):
     for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket",
@@ -92,6 +95,10 @@ class EngineConfig:
     if not isinstance(self.explore_every, int) or self.explore_every < 0:
       raise ConfigError(f"serving: explore_every must be an integer >= 0, got "
                         f"{self.explore_every!r}")
+    if (isinstance(self.explore_budget, bool)
+        or not isinstance(self.explore_budget, (int, float)) or not 0 <= self.explore_budget < 1):
+      raise ConfigError(f"serving: explore_budget must be a number in [0, 1), got "
+                        f"{self.explore_budget!r}")
     if not isinstance(self.max_queue, int) or self.max_queue < 0:
       raise ConfigError(f"serving: max_queue must be an integer >= 0, got {self.max_queue!r}")
     p = self.prior_tokens_per_step
@@ -470,7 +477,9 @@ class Engine:
                               self._place.modes(), self._place.row_buckets())
     if costs:
       mode = policy_lib.explore(b, mode, kind, context, self.costs, self._place.modes(),
-                                self.config.explore_every)
+                                self.config.explore_every,
+                                tokens_per_step=self.acceptance.table(),
+                                budget=self.config.explore_budget)
     if b == self.config.slots:
       rows = list(range(b))
     else:
@@ -509,8 +518,8 @@ class Engine:
         self._fail_slot(slot, _fault_message(e))
     # Acceptance statistics count tree steps only (an AR step drafts nothing).
     self.metrics.observe_step(seconds, accepted if step.mode == self.mode_kind else [])
-    if self.costs is not None and not step.after_admission:  # a step's cost, no prefill's
-      self.costs.observe(step.key, seconds)
+    if self.costs is not None:  # a step's cost, no prefill's: one after a prefill only counts
+      self.costs.observe(step.key, None if step.after_admission else seconds)
     if step.mode == "spec":
       self.acceptance.observe(accepted)
 

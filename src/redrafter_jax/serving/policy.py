@@ -18,6 +18,7 @@ cost table).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 MODES = ("ar", "spec")
@@ -91,30 +92,34 @@ class StepCosts:
   """Seconds per step by (rows, mode, sampling kind, context): those ``Engine.warmup`` measured,
   each replaced by the steps actually served once ``min_seen`` of them were seen (an
   exponential moving average, weight ``alpha``): under load a step costs more than it did alone
-  (the host's work shares the machine), and not by the same factor for every mode. The engine
-  leaves out a step that ran right after a prefill (its time is both's). ``min_seen`` None
-  keeps the warm-up table (tests)."""
+  (the host's work shares the machine), and not by the same factor for every mode. A step that
+  ran right after a prefill is counted (it ran) but not priced (its time is both's). ``min_seen``
+  None keeps the warm-up table (tests)."""
 
   warm: Mapping[tuple[int, str, str, int], float]
   min_seen: int | None = 4
   alpha: float = 0.1
-  seen: dict = dataclasses.field(default_factory=dict)  # key -> (average seconds, steps)
-  steps: int = 0  # steps observed, any key
-  last: dict = dataclasses.field(default_factory=dict)  # key -> ``steps`` at its last observation
+  seen: dict = dataclasses.field(default_factory=dict)  # key -> (average seconds, steps priced)
+  steps: int = 0  # steps served, any key: the clock ``age`` reads
+  last: dict = dataclasses.field(default_factory=dict)  # key -> ``steps`` when it last ran
 
-  def observe(self, key: tuple[int, str, str, int], seconds: float) -> None:
-    average, n = self.seen.get(key, (seconds, 0))
-    self.seen[key] = (average + max(self.alpha, 1.0 / (n + 1)) * (seconds - average), n + 1)
+  def observe(self, key: tuple[int, str, str, int], seconds: float | None) -> None:
+    """A step of ``key`` ran; ``seconds`` its cost, or None when it is not to be priced."""
     self.steps += 1
     self.last[key] = self.steps
+    if seconds is not None:
+      average, n = self.seen.get(key, (seconds, 0))
+      self.seen[key] = (average + max(self.alpha, 1.0 / (n + 1)) * (seconds - average), n + 1)
 
-  def stale(self, key: tuple[int, str, str, int], every: int) -> bool:
-    """Whether ``key``'s served cost is not yet in use (fewer than ``min_seen`` steps) or its
-    last step is more than ``every`` steps old: the load may have changed since."""
-    if self.min_seen is None or key not in self.warm:
-      return False
-    return (self.seen.get(key, (0.0, 0))[1] < self.min_seen
-            or self.steps - self.last.get(key, 0) > every)
+  def priced(self, key: tuple[int, str, str, int]) -> bool:
+    """Whether ``key``'s served cost is in use (``min_seen`` steps priced; always, when the
+    warm-up table is kept or ``key`` was not measured at warm-up)."""
+    return (self.min_seen is None or key not in self.warm
+            or self.seen.get(key, (0.0, 0))[1] >= self.min_seen)
+
+  def age(self, key: tuple[int, str, str, int]) -> int:
+    """Steps served since ``key`` last ran (every step served so far if it never ran)."""
+    return self.steps - self.last.get(key, 0)
 
   def table(self, kind: str, context: int) -> dict[tuple[int, str, str], float]:
     """The costs ``plan`` reads for one sampling kind at one context bucket."""
@@ -126,18 +131,47 @@ class StepCosts:
     return out
 
 
+# A priced mode not chosen runs at least once per ``every * MAX_STRETCH`` steps, however much
+# its runs lose: the load may have changed since.
+MAX_STRETCH = 16
+
+
+def explore_interval(loss: float, chosen: float, every: int, budget: float) -> int:
+  """Steps between runs of a mode not chosen: ``every``, stretched so that each run's
+  ``loss`` (seconds it costs beyond the chosen mode's price for the same tokens) stays within
+  ``budget`` of the ``chosen`` mode's served time (seconds per step) in between; at most
+  ``every * MAX_STRETCH``. ``budget`` 0: ``every``."""
+  if budget <= 0 or loss <= 0:
+    return every
+  return min(every * MAX_STRETCH, max(every, math.ceil(loss / (budget * max(chosen, 1e-9)))))
+
 
 def explore(rows_bucket: int, mode: str, kind: str, context: int, costs: StepCosts | None,
-            modes: Sequence[str], every: int) -> str:
-  """The mode to run: ``plan``'s, unless another mode's served cost at the same rows bucket,
-  kind and context is stale (``StepCosts.stale``): then that one, for this step. The warm-up
-  table prices each mode alone, and under load the modes do not slow down alike (the host's
-  work and the other requests' prefills share the machine); a cost is corrected only by
-  running its mode, so each mode runs at least once per ``every`` steps (0: never explore).
-  Greedy outputs are the same in both modes; the price is one step of the other mode."""
-  if costs is None or every <= 0:
+            modes: Sequence[str], every: int, *,
+            tokens_per_step: Mapping[str, float] | None = None, budget: float = 0.0) -> str:
+  """The mode to run: ``plan``'s, unless another mode at the same rows bucket, kind and context
+  is due: not yet priced (``StepCosts.priced``), or not run for ``explore_interval`` steps.
+  The warm-up table prices each mode alone, and under load the modes do not slow down alike
+  (the host's work and the other requests' prefills share the machine); a cost is corrected
+  only by running its mode. Each such run costs what the other mode loses against the chosen
+  one (its seconds minus the chosen mode's price for its tokens, from ``tokens_per_step``):
+  ``budget`` bounds that loss as a fraction of the served time by spacing the runs out (0: a
+  run every ``every`` steps; ``every`` 0: never explore). Greedy outputs are the same in both
+  modes; the price is one step of the other mode."""
+  if costs is None or every <= 0 or costs.min_seen is None:  # a kept table learns nothing
     return mode
+  seconds = costs.table(kind, context)
+  chosen = seconds.get((rows_bucket, mode, kind))
   for other in modes:
-    if other != mode and costs.stale((rows_bucket, other, kind, context), every):
+    key = (rows_bucket, other, kind, context)
+    if other == mode or key not in costs.warm:
+      continue
+    if not costs.priced(key):
+      return other
+    loss = 0.0
+    if tokens_per_step is not None and chosen is not None:
+      rate = chosen / tokens_per_step[mode]  # the chosen mode's seconds per token per row
+      loss = seconds[rows_bucket, other, kind] - rate * tokens_per_step[other]
+    if costs.age(key) >= explore_interval(loss, chosen or 0.0, every, budget):
       return other
   return mode
