@@ -195,3 +195,36 @@ def test_lower_temperature_concentrates_the_draws(tiny):
     out = generate(model, [ids] * 512, max_new_tokens=1, temperature=t, seed=13)
     distinct[t] = len({tok[0] for tok in out.tokens})
   assert distinct[0.3] < distinct[1.0] < distinct[3.0]
+
+
+def test_greedy_tokens_is_argmax_with_its_ties_and_nans():
+  """``greedy_tokens`` answers as ``jnp.argmax`` (first index among ties, first NaN when there
+  is one) for every row kind decoding can meet, over any leading axes."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 3, 257)).astype(np.float32)
+  x[0, 0, [5, 9, 200]] = 10.0  # a three-way tie: the first wins
+  x[0, 1] = 1.0  # all equal
+  x[0, 2] = -np.inf  # nothing allowed
+  x[1, 0, [3, 100]] = np.nan  # NaNs win, the first of them
+  x[1, 1, 256] = np.inf
+  x[1, 2, [0, 256]] = np.inf
+  x[2] = np.round(x[2])  # many ties
+  x = jnp.asarray(x)
+  got = sampling.greedy_tokens(x)
+  assert got.dtype == jnp.int32 and got.shape == (6, 3)
+  np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+  assert got[0, 0] == 5 and got[1, 0] == 3 and got[1, 2] == 0
+  bf16 = x.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(sampling.greedy_tokens(bf16), jnp.argmax(bf16, axis=-1))
+
+
+def test_sample_draws_what_jax_random_categorical_draws():
+  """``sample`` is the Gumbel-max draw of ``jax.random.categorical`` (the same noise, argmax
+  taken by ``greedy_tokens``): the same key gives the same tokens."""
+  logits = jax.random.normal(jax.random.key(1), (8, 5, 500)) * 3
+  logp = jax.nn.log_softmax(logits.at[..., :7].set(-jnp.inf), axis=-1)
+  for seed in range(5):
+    key = jax.random.key(seed)
+    np.testing.assert_array_equal(sampling.sample(key, logp),
+                                  jax.random.categorical(key, logp, axis=-1))
+  assert (sampling.sample(jax.random.key(0), logp) >= 7).all()  # -inf never drawn

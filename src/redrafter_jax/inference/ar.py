@@ -36,7 +36,7 @@ class _ARState:
 def _next_tokens(key, logits_BV, params: sampling.SamplingParams, *, filtered: bool,
                  greedy: bool) -> jax.Array:
   if greedy:  # every row is greedy (static): skip the per-step random draw over the vocabulary
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return sampling.greedy_tokens(logits_BV)
   return sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
 
 
@@ -62,7 +62,7 @@ def one_token_stepper(model: Llama, batch: int, slots: int, length: int
   @functools.partial(jax.jit, donate_argnums=(2,))
   def step(state, last_B, cache):
     logits_BV, cache = one_token_step(nnx.merge(graphdef, state), last_B, cache)
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
+    return sampling.greedy_tokens(logits_BV), cache
 
   carry = [jnp.full((batch,), 1000 % model.config.vocab_size, jnp.int32),
            kvc.advance(model.init_cache(batch, slots), jnp.full((batch,), length, jnp.int32))]

@@ -15,6 +15,19 @@ from flax import struct
 NEG_INF = -jnp.inf
 
 
+def greedy_tokens(logits_xV: jax.Array) -> jax.Array:
+  """The largest logit's index along the last axis, int32: ``jnp.argmax``'s answer (the first
+  index among ties; the first NaN when there is one), computed as a max, then the smallest index
+  that reaches it. XLA:CPU runs those two reductions vectorised and ``argmax``'s one reduction
+  over (value, index) pairs an element at a time, ~5x slower over a 49,152-token vocabulary
+  (results/linux-x86-64-2cpu/2026-11-26-explore-budget); every greedy choice in decoding goes
+  through here, so AR and ReDrafter pick the same tokens by the same code."""
+  max_x1 = jnp.max(logits_xV, axis=-1, keepdims=True)
+  ids_xV = jax.lax.broadcasted_iota(jnp.int32, logits_xV.shape, logits_xV.ndim - 1)
+  top_xV = (logits_xV == max_x1) | jnp.isnan(logits_xV)  # jnp.max returns NaN if any
+  return jnp.min(jnp.where(top_xV, ids_xV, logits_xV.shape[-1]), axis=-1)
+
+
 @struct.dataclass
 class SamplingParams:
   temperature_B: jax.Array  # float32; 0 = greedy
@@ -50,7 +63,7 @@ def target_logprobs(logits_BxV: jax.Array, params: SamplingParams, *, filtered: 
     scaled = _top_k_top_p(scaled, expand(params.top_k_B), expand(params.top_p_B))
   logp = jax.nn.log_softmax(scaled, axis=-1)
   ids_xV = jnp.arange(logits.shape[-1]).reshape((1,) * (logits.ndim - 1) + (-1,))
-  greedy_logp = jnp.where(ids_xV == jnp.argmax(logits, axis=-1, keepdims=True), 0.0, NEG_INF)
+  greedy_logp = jnp.where(ids_xV == greedy_tokens(logits)[..., None], 0.0, NEG_INF)
   return jnp.where(expand(params.greedy_B), greedy_logp, logp)
 
 
@@ -114,8 +127,12 @@ def _cut(scaled_xV, threshold_x1):
 
 
 def sample(rng: jax.Array, logprobs_BV: jax.Array) -> jax.Array:
-  """One token per row from (processed) log-probabilities; -inf tokens are never drawn."""
-  return jax.random.categorical(rng, logprobs_BV, axis=-1).astype(jnp.int32)
+  """One token per row from (processed) log-probabilities; -inf tokens are never drawn.
+
+  The draws of ``jax.random.categorical(rng, logprobs_BV)`` (the Gumbel-max trick with the same
+  noise), with its argmax taken by ``greedy_tokens`` (XLA:CPU's argmax reduction is slow)."""
+  noise_BV = jax.random.gumbel(rng, logprobs_BV.shape, logprobs_BV.dtype)
+  return greedy_tokens(logprobs_BV + noise_BV)
 
 
 def needs_filter(top_p, top_k) -> bool:

@@ -67,7 +67,7 @@ def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
   logits_BV, h_BD, cache = prefill(llm, tokens_BT, lengths_B, cache)
   rng, key = jax.random.split(rng)
   if greedy:
-    g0_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    g0_B = sampling.greedy_tokens(logits_BV)
   else:
     g0_B = sampling.sample(key, sampling.target_logprobs(logits_BV, params, filtered=filtered))
   out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), g0_B[:, None],

@@ -125,7 +125,7 @@ def verify_greedy(tree: Tree, logits_BNV, *, beam_length: int) -> Verdict:
   """Greedy acceptance for a batch whose rows are all greedy: descend into the child whose token
   is the LLM's argmax (siblings are distinct, so at most one is), then emit the argmax at the end
   node. Equals ``verify_exact`` at temperature 0 (ties go to the lowest token id in both)."""
-  argmax_BN = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)
+  argmax_BN = sampling.greedy_tokens(logits_BNV)
 
   def accept_child(d, slot_B, child_BN):
     return child_BN & (tree.tokens_BN == _gather_rows(argmax_BN, slot_B)[:, None])

@@ -160,7 +160,8 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
 def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
             context: int | None = None) -> tuple[SlotBatch, StepOut]:
   """One autoregressive token for every slot (the same bookkeeping as ``spec_step``; ``kind``
-  and ``context`` as there: the top-k/top-p filter runs for kind 2 only); ``width`` pads
+  and ``context`` as there: kind 0 takes the argmax without a draw, the top-k/top-p filter runs
+  for kind 2 only); ``width`` pads
   ``StepOut.tokens_BA`` to the speculative step's width, so both modes return one shape."""
   s = batch.state
   B = s.g0_B.shape[0]
@@ -171,9 +172,10 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
   mask_B1S = kvc.visible_mask(c.lengths_B, jnp.ones((B, 1, 1), bool), context or c.size)
   logits_B1V, hidden_B1D, cache = llm(s.g0_B[:, None], c.lengths_B[:, None], mask_B1S, c)
   cache = kvc.advance(cache, active_B.astype(jnp.int32))
-  target = lambda f: lambda: sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=f)
-  logp_BV = jax.lax.cond(kind == 2, target(True), target(False))
-  next_B = jax.vmap(lambda k, lp_V: sampling.sample(k, lp_V[None])[0])(keys_B2[:, 1], logp_BV)
+  draw = lambda f: lambda: jax.vmap(lambda k, lp_V: sampling.sample(k, lp_V[None])[0])(
+      keys_B2[:, 1], sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=f))
+  next_B = jax.lax.switch(kind, [lambda: sampling.greedy_tokens(logits_B1V[:, 0]), draw(False),
+                                 draw(True)])
   out, done_B = record(s.out, s.done_B, next_B[:, None], jnp.ones((B,), jnp.int32), stop_ids, M)
   on_B = active_B.astype(jnp.int32)
   m = s.metrics
