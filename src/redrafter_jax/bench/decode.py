@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redrafter_jax.config import DecodeConfig
 from redrafter_jax.bench._common import draft_vocab_arg, load_drafter_arg
+from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import ReDrafter

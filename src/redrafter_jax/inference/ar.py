@@ -16,10 +16,10 @@ import numpy as np
 from flax import nnx, struct
 
 from redrafter_jax.inference import sampling
-from redrafter_jax.inference.timing import timed_calls
 from redrafter_jax.inference.runtime import (GenerateError, Output, cache_size_for,
                                              check_sampling, empty_output, pack_prompts, prefill,
                                              record)
+from redrafter_jax.inference.timing import timed_calls
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.llama import Llama
 

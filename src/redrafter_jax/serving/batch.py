@@ -161,8 +161,8 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
             context: int | None = None) -> tuple[SlotBatch, StepOut]:
   """One autoregressive token for every slot (the same bookkeeping as ``spec_step``; ``kind``
   and ``context`` as there: kind 0 takes the argmax without a draw, the top-k/top-p filter runs
-  for kind 2 only); ``width`` pads
-  ``StepOut.tokens_BA`` to the speculative step's width, so both modes return one shape."""
+  for kind 2 only); ``width`` pads ``StepOut.tokens_BA`` to the speculative step's width, so
+  both modes return one shape."""
   s = batch.state
   B = s.g0_B.shape[0]
   M = s.out.tokens_BM.shape[1]
