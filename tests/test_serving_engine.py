@@ -463,8 +463,9 @@ def test_a_fault_in_one_request_fails_it_alone(self_engine, monkeypatch):
 
 def test_one_admission_call_equals_one_per_request(llm):
   """Prompts prefilled together (one call, a padding row included) leave the slot batch as
-  prefilling each alone does, first tokens and sampled draws included, and the padding row
-  writes nowhere."""
+  prefilling each alone does, first tokens and sampled draws included (the greedy row alone is
+  an all-greedy call, which takes the argmax without drawing), and the padding row writes
+  nowhere."""
   from redrafter_jax.serving import batch as batch_lib
 
   B, S, M, T = 4, 96, 24, 64

@@ -92,9 +92,12 @@ def admit(llm: Llama, batch: SlotBatch, slots_k, tokens_kT, lengths_k, seed_lo_k
   rng_k2 = jax.vmap(lambda lo, hi: jax.random.split(request_key(lo, hi)))(seed_lo_k, seed_hi_k)
   draw = lambda f: lambda: jax.vmap(lambda key, lp_V: sampling.sample(key, lp_V[None])[0])(
       rng_k2[:, 1], sampling.target_logprobs(logits_kV, params_k, filtered=f))
-  plain_k = draw(False)()
-  g0_k = jax.lax.cond(filtered_k.any(),
-                      lambda: jnp.where(filtered_k, draw(True)(), plain_k), lambda: plain_k)
+  # A call whose rows are all greedy takes the argmax without building the distributions (what
+  # they would draw: ``target_logprobs`` gives a greedy row a one-hot at ``greedy_tokens``).
+  drawn = lambda: jax.lax.cond(filtered_k.any(),
+                               lambda: jnp.where(filtered_k, draw(True)(), draw(False)()),
+                               draw(False))
+  g0_k = jax.lax.cond(params_k.greedy_B.all(), lambda: sampling.greedy_tokens(logits_kV), drawn)
   out_k, done_k = record(empty_output(k, M), jnp.zeros((k,), bool), g0_k[:, None],
                          jnp.ones((k,), jnp.int32), stop_ids, M)
   done_k = done_k | (limit_k <= 1)
