@@ -229,8 +229,21 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
     # the policy starts from the drafter's measured tokens/step for the served tree, if measured
     assert auto.engine.config.prior_tokens_per_step == {"1x3": 1.3, "2x3+2/5": 1.1}[
         choice.beams.text]
-    assert auto.engine.acceptance.tokens_per_step == auto.engine.config.prior_tokens_per_step
+    assert auto.engine.acceptance["spec"].tokens_per_step == (
+        auto.engine.config.prior_tokens_per_step)
     assert fixed.engine.config.prior_tokens_per_step is None  # 3x4 was not measured
   finally:
     auto.close()
     fixed.close()
+  # Smaller trees beside the served 3x4 (10 tree tokens): those that fit, each from its
+  # measured tokens/step when the table has it; the others skipped; a malformed one refused.
+  smaller = server.build(preset, slots=2, max_context=128, max_tokens=16,
+                         trees=["1x3", "2x3+2/5", "1x5", "3x4", "1x3"])
+  try:
+    assert smaller.engine.config.trees == ("1x3", "2x3+2/5")
+    assert smaller.engine.config.tree_priors == (1.3, 1.1)
+    assert smaller.engine._place.modes() == ("ar", "spec:1x3", "spec:2x3+2/5", "spec")
+  finally:
+    smaller.close()
+  with pytest.raises(server.ConfigError, match="--trees"):
+    server.with_smaller_trees(fixed.engine.config, ["1x"])

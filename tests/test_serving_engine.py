@@ -166,6 +166,60 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
   assert f"4 rows ar: {engine.step_counts[4, 'ar']}" in summary, summary
 
 
+def test_smaller_trees_serve_identical_greedy_output(llm, tok, reference):
+  """With smaller trees among the modes (``EngineConfig.trees``), a cost table that makes
+  each rows bucket pay for a different one: steps run on each tree (and AR), each tree's
+  acceptance is observed on its own, and every greedy request still gets ``decode()``'s
+  tokens (a smaller tree's step pads its tokens to the batch's width and writes back only its
+  own tree's cache slots)."""
+  cfg = dataclasses.replace(ECFG, trees=("1x2", "2x3+2/5"), tree_priors=(1.5, None),
+                            decode=dataclasses.replace(DCFG, lookup_ngram=2))
+  engine = Engine(llm, tok, testing.SelfDrafter(V), config=cfg, stop_ids=[EOS])
+  place = engine._place
+  assert place.modes() == ("ar", "spec:1x2", "spec:2x3+2/5", "spec")
+  assert {m: a.prior for m, a in engine.acceptance.items()} == {
+      "spec": 4.0, "spec:1x2": 1.5, "spec:2x3+2/5": 3.0}
+  best = {1: "spec", 2: "spec:2x3+2/5", 4: "spec:1x2"}
+  # bucket 4 (all slots) pays most for any rows: ``plan`` may pick it for fewer live rows too
+  fake = {(b, m, k, c): (0.001 * b if m == best[b] else 1.0) if b < 4 or m != "ar" else 0.5
+          for b in place.row_buckets() for m in place.modes() for k in policy.KINDS
+          for c in place.context_buckets()}
+  engine.costs = policy.StepCosts(fake, min_seen=None)
+  engine.start()
+  try:
+    reqs = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    results, _ = run_concurrently(engine, reqs)
+    alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
+  finally:
+    engine.stop()
+  for i, (r, m) in enumerate(zip(results, MAX_TOKENS)):
+    assert r.token_ids == expected(reference[i], m), i
+  assert alone.token_ids == expected(reference[2], 12)
+  served = {m for (_, m) in engine.step_counts}
+  assert {"spec:1x2", "spec:2x3+2/5", "spec"} <= served, engine.step_counts
+  assert all(a.row_steps > 0 for a in engine.acceptance.values()), engine.acceptance
+  # A drafter that guesses right: each tree gives what its length allows (1x2: at most 2).
+  observed = {m: a.tokens / a.row_steps for m, a in engine.acceptance.items()}
+  assert 1.5 < observed["spec:1x2"] <= 2.0 < observed["spec"]
+  assert observed["spec:2x3+2/5"] <= 3.0, observed
+  assert "spec:1x2 tokens/step observed" in engine.served_summary()
+
+
+@pytest.mark.parametrize("trees, match", [
+    (("1x5",), "must fit within"), (("4x4",), "must fit within"),  # L > 4; 13 > 10 tokens
+    (("1x2", "1X2"), "given twice"), (("3x4",), "given twice"), (("2x",), "tree '2x'"),
+    ("1x2", "must be a list")])
+def test_smaller_trees_are_checked(trees, match):
+  from redrafter_jax.config import ConfigError
+
+  with pytest.raises(ConfigError, match=match):
+    dataclasses.replace(ECFG, trees=trees)
+  with pytest.raises(ConfigError, match="one value per tree"):
+    dataclasses.replace(ECFG, trees=("1x2",), tree_priors=(1.5, 2.0))
+  with pytest.raises(ConfigError, match=r"prior of tree 1x3 must be in \[1, 3\]"):
+    dataclasses.replace(ECFG, trees=("1x3",), tree_priors=(3.5,))
+
+
 def test_a_step_after_a_prefill_does_not_price_the_step(self_engine, reference):
   """The device runs an admission's prefill just before the next step, so the time between
   two reads is both's: the served-cost table leaves that step out (the policy compares step

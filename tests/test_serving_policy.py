@@ -44,6 +44,25 @@ def test_plan_picks_the_mode_with_the_most_tokens_per_second():
   assert mode_at(1, table({1: 0.01}, {1: 0.02}), {"ar": 1.0, "spec": 2.0}) == "ar"
 
 
+def test_the_tree_shrinks_as_the_rows_grow():
+  """With a smaller tree among the modes, the plan goes from the served tree at few rows to
+  the smaller tree, then to AR, as a tree's tokens grow costlier with the rows."""
+  small = "spec:1x2+3/3"
+  costs = {**table(ar={1: 0.010, 2: 0.011, 4: 0.012, 8: 0.020},
+                   spec={1: 0.012, 2: 0.016, 4: 0.024, 8: 0.048}),
+           **{(b, small, "greedy"): s for b, s in {1: 0.011, 2: 0.0125, 4: 0.015,
+                                                      8: 0.032}.items()}}
+  tps = {"ar": 1.0, "spec": 2.0, small: 1.5}
+  # seconds per token: spec 6.0/8.0/12/24 ms, small 7.3/8.3/10/21.3 ms, ar 10/11/12/20 ms
+  modes = ("ar", small, "spec")
+  assert [mode_at(b, costs, tps, modes=modes) for b in (1, 2, 4, 8)] == [
+      "spec", "spec", small, "ar"]
+  # Observed acceptance moves the choice: a drafter that guesses less favours the small tree.
+  assert mode_at(2, costs, {"ar": 1.0, "spec": 1.6, small: 1.4}, modes=modes) == small
+  # Without measurements: the served tree.
+  assert policy.plan(3, "greedy", None, tps, modes, [1, 2, 4, 8]) == (4, "spec")
+
+
 def test_plan_picks_a_larger_bucket_when_it_costs_less():
   """On XLA:CPU the all-slots bucket gathers no rows and can cost less than a smaller one: 3
   live rows then run on all 8 (for either mode); ties keep the smaller bucket."""
@@ -77,7 +96,10 @@ def test_acceptance_estimate():
   assert a.tokens_per_step == pytest.approx((16 + 4) / 8)
   a.observe([])
   assert a.tokens_per_step == pytest.approx(2.5)
-  assert a.table() == {"ar": 1.0, "spec": pytest.approx(2.5)}
+  small = policy.Acceptance(prior=1.5)
+  assert policy.tokens_per_step({"spec": a, "spec:1x2": small}) == {
+      "ar": 1.0, "spec": pytest.approx(2.5), "spec:1x2": 1.5}
+  assert policy.tokens_per_step({}) == {"ar": 1.0}  # an AR engine
   assert policy.kind_of(True, False) == "filtered" and policy.kind_of(False, True) == "greedy"
 
 

@@ -22,6 +22,10 @@ def add_arguments(p):
                  help="auto: the draft tree predicted fastest on this device for the drafter "
                  "(timed once, cached; the preset's when the drafter has no acceptance.json); "
                  "preset: the preset's decode settings")
+  p.add_argument("--trees", default="", metavar="WxL[+n][/N],...",
+                 help="smaller draft trees to run instead of the served one when they give a "
+                 "step's rows more tokens per second (e.g. 1x2+3/3,1x3+3/4; those that do not fit "
+                 "within the served tree are skipped); each adds step programs to the warm-up")
   p.add_argument("--slots", type=int, default=8, help="requests decoded together (batch rows)")
   p.add_argument("--max-context", type=int, default=None,
                  help="KV-cache slots per request: prompt + max_tokens + scratch "
@@ -78,6 +82,7 @@ def run(args) -> int:
       speculative=not args.ar, drafter_path=args.drafter, random_drafter=args.random_drafter,
       devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,
       max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-      cors_origins=args.cors_origin, allowed_hosts=args.allowed_host, tree=args.tree)
+      cors_origins=args.cors_origin, allowed_hosts=args.allowed_host, tree=args.tree,
+      trees=[t for t in args.trees.split(",") if t.strip()])
   server.serve_forever(srv, args.host, args.port, shutdown_grace=args.shutdown_grace)
   return 0

@@ -93,7 +93,8 @@ class Beams:
 ACCEPTANCE_FILE = "acceptance.json"
 # The trees measured for a drafter when none are named: one drafter beam to four, with and
 # without the context-lookup beam, whole trees and token budgets that verify fewer tokens.
-DEFAULT_CANDIDATES = "1x3+3,1x4,1x4+3/5,1x4+3,1x5+3/6,2x4+3/7,2x4+3,2x5+3/9,4x4+3/10,4x5+3/16"
+DEFAULT_CANDIDATES = ("1x2+3/3,1x3+3/4,1x3+3,1x4,"
+                      "1x4+3/5,1x4+3,1x5+3/6,2x4+3/7,2x4+3,2x5+3/9,4x4+3/10,4x5+3/16")
 TIMING_CONTEXT = 200  # prompt tokens in the cache when steps are timed
 
 

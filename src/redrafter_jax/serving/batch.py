@@ -139,14 +139,17 @@ def release(batch: SlotBatch, live_B) -> SlotBatch:
 
 
 def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: DecodeConfig,
-              kind, *, context: int | None = None, embed_VD=None) -> tuple[SlotBatch, StepOut]:
+              kind, *, context: int | None = None, embed_VD=None,
+              width: int | None = None) -> tuple[SlotBatch, StepOut]:
   """One ReDrafter step (draft, verify, accept, commit) for every slot: ``inference.step.step``
   with its acceptance rule chosen at run time by ``kind`` (traced int32; 0 greedy: every active
   request has temperature 0, the argmax walk; 1 sampled; 2 top-k/top-p filtered), so one
   program serves every sampling kind and the draft and verify forward compile once. Rows'
   random keys advance the same in every kind. ``context`` (static; None: the whole cache): the
   cache slots attention reads, a context bucket holding every live row's tokens and tree.
-  ``embed_VD``: the embedding table the drafter reads (``step.draft``)."""
+  ``embed_VD``: the embedding table the drafter reads (``step.draft``). ``width``: pads
+  ``StepOut.tokens_BA`` to that many (a smaller tree's step in a batch made for a larger one;
+  None: ``cfg.beam_length``)."""
   s = batch.state
   keys_B2 = jax.vmap(jax.random.split)(s.rng)
   state = s.replace(rng=keys_B2[:, 0])
@@ -157,7 +160,7 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
   verdict = jax.lax.switch(kind, [rule(False, True), rule(False, False), rule(True, False)])
   new = step_lib.commit(state, cache, verdict, hidden_BND, tree, stop_ids,
                         max_new_tokens=cfg.max_new_tokens)
-  return _finish(batch, s, new, cfg.beam_length)
+  return _finish(batch, s, new, width or cfg.beam_length)
 
 
 def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,

@@ -86,6 +86,14 @@ class EngineConfig:
   # ... and space those runs out so that what they lose against the chosen mode stays within
   # this fraction of the served time (``policy.explore_interval``); 0: every explore_every.
   explore_budget: float = 0.01
+  # Smaller draft trees the policy may run instead of ``decode``'s (``WxL[+n][/N]`` texts, each
+  # with L and N at most ``decode``'s): per step, the tree (or AR) that gives the step's rows
+  # the most tokens per second, so the tree shrinks as the batch grows. Each is one more step
+  # mode (``tree_modes``): a program per rows and context bucket, compiled at warm-up.
+  trees: tuple[str, ...] = ()
+  # Their tokens per step per row assumed before any is observed, in ``trees`` order (empty, or
+  # None for one: its beam_length).
+  tree_priors: tuple[float | None, ...] = ()
 
   def __post_init__(self):
     for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket",
@@ -104,12 +112,56 @@ class EngineConfig:
     p = self.prior_tokens_per_step
     if p is not None and not 1.0 <= p <= self.decode.beam_length:
       raise ConfigError(f"serving: prior_tokens_per_step must be in [1, beam_length], got {p!r}")
+    modes = self.tree_modes()
+    if self.tree_priors and len(self.tree_priors) != len(self.trees):
+      raise ConfigError(f"serving: tree_priors needs one value per tree ({len(self.trees)}), got "
+                        f"{len(self.tree_priors)}")
+    for text, prior in zip(self.trees, self.tree_priors):
+      L = modes[tree_mode(text)].beam_length
+      if prior is not None and not 1.0 <= prior <= L:
+        raise ConfigError(f"serving: the prior of tree {text} must be in [1, {L}], got {prior!r}")
+
+  def tree_modes(self) -> dict[str, DecodeConfig]:
+    """Step mode -> its draft settings: "spec" (``decode``'s tree) and ``tree_mode(text)`` for
+    each of ``trees`` (``decode``'s settings with that tree). Raises ``ConfigError`` for a tree
+    that is malformed, repeated, or larger than ``decode``'s (its steps share the batch's
+    output width and scratch slots)."""
+    from redrafter_jax.inference.tree_choice import Beams
+
+    d = self.decode
+    out = {"spec": d}
+    if not isinstance(self.trees, (tuple, list)):
+      raise ConfigError(f"serving: trees must be a list of WxL[+n][/N] texts, got {self.trees!r}")
+    for text in self.trees:
+      try:
+        (beams,) = Beams.parse_list(str(text))
+      except ValueError as e:
+        raise ConfigError(f"serving: tree {text!r}: {e}") from None
+      cfg = dataclasses.replace(d, beam_width=beams.width, beam_length=beams.length,
+                                lookup_ngram=beams.lookup, token_budget=beams.budget or None)
+      mode = tree_mode(beams.text)
+      shape = lambda c: (c.beam_width, c.beam_length, c.lookup_ngram, c.num_tree_tokens)
+      if mode in out or any(shape(cfg) == shape(c) for c in out.values()):
+        raise ConfigError(f"serving: tree {text!r} is given twice (or is decode's own tree)")
+      if cfg.beam_length > d.beam_length or cfg.num_tree_tokens > d.num_tree_tokens:
+        raise ConfigError(
+            f"serving: tree {text!r} (L={cfg.beam_length}, {cfg.num_tree_tokens} tree tokens) "
+            f"must fit within decode's (L={d.beam_length}, {d.num_tree_tokens} tree tokens)")
+      out[mode] = cfg
+    return out
 
   @property
   def scratch(self) -> int:
     """Cache slots a row needs beyond its tokens: one step's uncommitted writes."""
     d = self.decode
     return d.beam_length + d.num_tree_tokens if self.speculative else 1
+
+
+def tree_mode(text: str) -> str:
+  """The step mode of an extra draft tree (``EngineConfig.trees``), e.g. "spec:1x2+3/3"."""
+  from redrafter_jax.inference.tree_choice import Beams
+
+  return f"spec:{Beams.parse_list(text)[0].text}"
 
 
 def _fault_message(e: BaseException) -> str:
@@ -203,8 +255,11 @@ class Engine:
     # Seconds per step by (rows, mode, sampling kind, context): measured by ``warmup``, then
     # corrected by the steps served.
     self.costs: policy_lib.StepCosts | None = None
-    self.acceptance = policy_lib.Acceptance(config.prior_tokens_per_step or
-                                            float(config.decode.beam_length))
+    # Tokens per step per row observed for each tree mode (each from its own prior).
+    priors = dict(zip(map(tree_mode, config.trees), config.tree_priors))
+    priors["spec"] = config.prior_tokens_per_step
+    self.acceptance = {mode: policy_lib.Acceptance(priors.get(mode) or float(cfg.beam_length))
+                       for mode, cfg in config.tree_modes().items()} if config.speculative else {}
     self.step_counts: collections.Counter = collections.Counter()  # steps by (rows, mode)
     self.context_counts: collections.Counter = collections.Counter()  # steps by context read
     self.error: BaseException | None = None  # set if the loop itself died
@@ -256,9 +311,9 @@ class Engine:
     context)."""
     steps = ", ".join(f"{b} rows {m}: {n}" for (b, m), n in sorted(self.step_counts.items()))
     out = f"steps served: {steps}"
-    if self.config.speculative:
-      out += (f"; tokens/step observed {self.acceptance.tokens_per_step:.2f} over "
-              f"{self.acceptance.row_steps} row-steps")
+    for mode, acc in self.acceptance.items():
+      out += (f"; {mode} tokens/step observed {acc.tokens_per_step:.2f} over {acc.row_steps} "
+              "row-steps")
     if self.costs is not None and self.costs.seen:
       served = ", ".join(
           f"{key}: {avg * 1e3:.1f} ms x {n} (warm-up {self.costs.warm.get(key, 0) * 1e3:.1f})"
@@ -473,12 +528,12 @@ class Engine:
     costs = None
     if self.costs is not None and (greedy or self.config.adaptive_sampled):
       costs = self.costs.table(kind, context)
-    b, mode = policy_lib.plan(len(live), kind, costs, self.acceptance.table(),
-                              self._place.modes(), self._place.row_buckets())
+    tokens_per_step = policy_lib.tokens_per_step(self.acceptance)
+    b, mode = policy_lib.plan(len(live), kind, costs, tokens_per_step, self._place.modes(),
+                              self._place.row_buckets())
     if costs:
       mode = policy_lib.explore(b, mode, kind, context, self.costs, self._place.modes(),
-                                self.config.explore_every,
-                                tokens_per_step=self.acceptance.table(),
+                                self.config.explore_every, tokens_per_step=tokens_per_step,
                                 budget=self.config.explore_budget)
     if b == self.config.slots:
       rows = list(range(b))
@@ -516,17 +571,13 @@ class Engine:
       except Exception as e:  # this request's own host-side work: it alone fails
         log.exception("request %d: delivering its tokens failed", active.handle.id)
         self._fail_slot(slot, _fault_message(e))
-    # Acceptance statistics count tree steps only (an AR step drafts nothing).
-    self.metrics.observe_step(seconds, accepted if step.mode == self.mode_kind else [])
+    # Acceptance statistics count tree steps only (an AR step drafts nothing), of any tree.
+    tree = step.mode in self.acceptance
+    self.metrics.observe_step(seconds, accepted if tree or not self.config.speculative else [])
     if self.costs is not None:  # a step's cost, no prefill's: one after a prefill only counts
       self.costs.observe(step.key, None if step.after_admission else seconds)
-    if step.mode == "spec":
-      self.acceptance.observe(accepted)
-
-  @property
-  def mode_kind(self) -> str:
-    """The step mode this engine serves with by default: "spec" (ReDrafter) or "ar"."""
-    return self._place.modes()[-1]
+    if tree:
+      self.acceptance[step.mode].observe(accepted)
 
   def _deliver(self, slot: int, new: list[int], *, device_done: bool = False) -> None:
     """Hand a row's new tokens to its request; end it when it is done."""

@@ -91,6 +91,12 @@ class Placement:
         self.draft_embed = jax.device_put(rd.draft_embed, repl)
     else:
       self._llm_def, llm_state = nnx.split(llm)
+    # Each tree step mode's settings: the served tree's, and the smaller ones (``trees``) with
+    # the same resolved settings otherwise (draft vocabulary, acceptance rule, limits).
+    self._trees = {mode: self._decode if mode == "spec" else dataclasses.replace(
+        self._decode, beam_width=cfg.beam_width, beam_length=cfg.beam_length,
+        lookup_ngram=cfg.lookup_ngram, token_budget=cfg.token_budget)
+                   for mode, cfg in config.tree_modes().items()} if drafter is not None else {}
     self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
     llm_cfg, dtype = llm.config, llm.dtype
     # The attention backend's cache layout and dtype (or the model's override), stacked when
@@ -240,8 +246,11 @@ class Placement:
     return policy_lib.row_buckets(self.config.slots)
 
   def modes(self) -> tuple[str, ...]:
-    """Step kinds: plain AR always; ReDrafter's tree step when the engine has a drafter."""
-    return ("ar", "spec") if self.config.speculative else ("ar",)
+    """Step kinds: plain AR always; with a drafter, a tree step per smaller tree
+    (``EngineConfig.trees``, "spec:WxL...") and last the served tree's ("spec")."""
+    if not self.config.speculative:
+      return ("ar",)
+    return ("ar", *(m for m in self._trees if m != "spec"), "spec")
 
   def context_buckets(self) -> tuple[int, ...]:
     """The cache widths a step may read (``kv_cache.context_buckets``, from
@@ -256,8 +265,9 @@ class Placement:
     """Dispatch one step for the slots ``rows`` (a row bucket's worth, distinct); returns the
     device ``StepOut`` of those rows, in that order, without waiting for it. ``live[i]``: slot
     ``rows[i]`` still holds a request (the others are marked done first). ``greedy``: every live
-    request has temperature 0 (a program of its own that accepts by argmax). ``mode``: "spec"
-    (ReDrafter; the default with a drafter) or "ar". ``context``: a ``context_buckets()`` width
+    request has temperature 0 (a program of its own that accepts by argmax). ``mode``: one of
+    ``modes()``: "spec" (ReDrafter's served tree; the default with a drafter), a smaller tree's
+    "spec:WxL..." or "ar". ``context``: a ``context_buckets()`` width
     holding every live row's tokens, up to its limit, and one step's scratch (None: the whole
     cache)."""
     mode = mode or self.modes()[-1]
@@ -276,19 +286,22 @@ class Placement:
     return out
 
   def _make_step(self, rows: int, mode: str, context: int):
-    llm_def, drafter_def, dcfg = self._llm_def, self._drafter_def, self._decode
+    llm_def, drafter_def = self._llm_def, self._drafter_def
+    dcfg = self._trees.get(mode)  # None: AR
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
-    width = dcfg.beam_length if self.config.speculative else 1
-    written = dcfg.num_tree_tokens if mode == "spec" else 1  # cache slots a step writes
+    # Every mode returns the served tree's width of tokens per row (the batch's output shape).
+    width = self._decode.beam_length if self.config.speculative else 1
+    written = dcfg.num_tree_tokens if dcfg is not None else 1  # cache slots a step writes
 
     def step(llm_state, drafter_state, embed_VD, batch, stop_ids, idx_b, live_b, kind):
       llm = nnx.merge(llm_def, llm_state)
       sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b, context),
                               live_b)
       start_b = sub.state.cache.lengths_B  # the step writes only from here on
-      if mode == "spec":
+      if dcfg is not None:
         sub, out = batch_lib.spec_step(llm, nnx.merge(drafter_def, drafter_state), sub,
-                                       stop_ids, dcfg, kind, context=context, embed_VD=embed_VD)
+                                       stop_ids, dcfg, kind, context=context, embed_VD=embed_VD,
+                                       width=width)
       else:
         sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context)
       if whole:

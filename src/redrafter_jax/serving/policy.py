@@ -21,7 +21,7 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-MODES = ("ar", "spec")
+MODES = ("ar", "spec")  # plain AR and the served tree; smaller trees add "spec:WxL..." modes
 KINDS = ("greedy", "sampled", "filtered")  # every live request greedy / some sampled / filtered
 
 
@@ -83,8 +83,10 @@ class Acceptance:
   def tokens_per_step(self) -> float:
     return (self.prior * self.prior_weight + self.tokens) / (self.prior_weight + self.row_steps)
 
-  def table(self) -> dict[str, float]:
-    return {"ar": 1.0, "spec": self.tokens_per_step}
+
+def tokens_per_step(acceptance: Mapping[str, Acceptance]) -> dict[str, float]:
+  """The tokens per step per row ``plan`` reads: 1 for AR, each tree mode's observed."""
+  return {"ar": 1.0, **{mode: a.tokens_per_step for mode, a in acceptance.items()}}
 
 
 @dataclasses.dataclass

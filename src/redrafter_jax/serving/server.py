@@ -24,7 +24,7 @@ from redrafter_jax.config import ConfigError, Preset
 from redrafter_jax.serving import access
 from redrafter_jax.serving.app import SamplingDefaults, create_app
 from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES
-from redrafter_jax.serving.engine import Engine, EngineConfig
+from redrafter_jax.serving.engine import Engine, EngineConfig, tree_mode
 from redrafter_jax.serving.placement import serving_mesh
 from redrafter_jax.serving.shutdown import make_server
 
@@ -118,6 +118,34 @@ def served_decode(preset: Preset, llm, drafter, drafter_path: str | None = None,
   return decode, None if tps is None else min(tps, float(decode.beam_length))
 
 
+def with_smaller_trees(config: EngineConfig, trees: Sequence[str], folder=None
+                       ) -> EngineConfig:
+  """``config`` with the extra trees a server runs (``EngineConfig.trees``): those of ``trees``
+  (``WxL[+n][/N]``) that fit within the served tree and differ from it (the served tree may be
+  chosen on the device, so the others are skipped with a log line), each with its measured
+  tokens/step from the drafter's acceptance.json in ``folder`` as its prior when it has one.
+  A malformed tree is a ``ConfigError``."""
+  from redrafter_jax.inference import tree_choice
+
+  try:
+    candidates = tree_choice.Beams.parse_list(",".join(trees)) if trees else []
+  except ValueError as e:
+    raise ConfigError(f"--trees: {e}") from None
+  table = tree_choice.read_acceptance(folder) if folder is not None else None
+  kept, priors = [], []
+  for beams in candidates:
+    try:
+      trial = dataclasses.replace(config, trees=(*kept, beams.text), tree_priors=())
+    except ConfigError as e:
+      log.info("not serving tree %s beside the served one: %s", beams.text, e)
+      continue
+    kept.append(beams.text)
+    cfg = trial.tree_modes()[tree_mode(beams.text)]
+    tps = tree_choice.tokens_per_step_for(table, cfg)
+    priors.append(None if tps is None else min(tps, float(cfg.beam_length)))
+  return dataclasses.replace(config, trees=tuple(kept), tree_priors=tuple(priors))
+
+
 def use_compile_cache(path: str | None, devices: int | None = None) -> str | None:
   """Keep XLA's compiled programs in ``path`` (None: ``xla/`` in the model cache folder; "off":
   not at all), so a restarted server loads its warm-up programs instead of compiling them again.
@@ -151,13 +179,15 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
           model_name: str | None = None, warmup: bool = False,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
           cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
-          tree: str = "preset") -> Server:
+          tree: str = "preset", trees: Sequence[str] = ()) -> Server:
   """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
 
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
   requests that do not say) to the preset's ``decode.max_new_tokens``. ``tree``: "preset" serves
   the preset's draft tree; "auto" the one predicted fastest on this device for the drafter
   (``served_decode``, batch 1; the preset's when the drafter has no acceptance table).
+  ``trees``: smaller trees the policy may run instead at a step's rows (``smaller_trees``;
+  ``EngineConfig.trees``).
   """
   from redrafter_jax.weights import tokenizer as tokenizer_lib
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
@@ -175,10 +205,13 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   drafter = None
   if engine_config.speculative:
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
+    folder = None
     if not random_drafter:
+      folder = drafter_folder(preset, drafter_path)
       decode, prior = served_decode(preset, llm, drafter, drafter_path, tree=tree)
       engine_config = dataclasses.replace(engine_config, decode=decode,
                                           prior_tokens_per_step=prior)
+    engine_config = with_smaller_trees(engine_config, trees, folder)
   engine = Engine(llm, tok, drafter, config=engine_config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
   weights = jax.numpy.dtype(llm.param_dtype).name
