@@ -8,6 +8,7 @@ data: ``models`` -> ``weights`` -> ``inference`` -> ``training`` / ``serving`` -
 from redrafter_jax.config import (DecodeConfig, DrafterConfig, LlamaConfig, Preset, TrainConfig,
                                   load_preset)
 from redrafter_jax.errors import UserError
+from redrafter_jax.hostmem import keep_freed_memory
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import DecodeResult, ReDrafter, decode
 from redrafter_jax.models.drafter import Drafter
@@ -20,7 +21,8 @@ from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_i
 __all__ = [
     "DecodeConfig", "DecodeResult", "Drafter", "DrafterConfig", "Llama", "LlamaConfig", "Preset",
     "ReDrafter", "TrainConfig", "UserError", "decode", "encode", "generate", "load_drafter",
-    "load_llama", "load_preset", "load_tokenizer", "param_dtype_for", "recommended_config",
+    "keep_freed_memory", "load_llama", "load_preset", "load_tokenizer", "param_dtype_for",
+    "recommended_config",
     "resolve_drafter", "save_drafter", "stop_token_ids",
 ]
 __version__ = "0.1.0"

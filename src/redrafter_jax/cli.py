@@ -14,6 +14,7 @@ import logging
 import sys
 
 from redrafter_jax.errors import user_errors
+from redrafter_jax.hostmem import keep_freed_memory
 
 COMMANDS = {
     "fetch": "redrafter_jax.commands.fetch",
@@ -44,6 +45,7 @@ def _available():
 
 
 def main(argv: list[str] | None = None) -> int:
+  keep_freed_memory()  # before any JAX call allocates (``hostmem``)
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
   logging.getLogger("jax").setLevel(logging.WARNING)  # not its INFO notes on absent backends
   parser = argparse.ArgumentParser(prog="redrafter-jax", description=__doc__.splitlines()[0])

@@ -7,6 +7,7 @@ import pkgutil
 import sys
 
 import redrafter_jax.bench as package
+from redrafter_jax.hostmem import keep_freed_memory
 
 
 def available() -> list[str]:
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{__doc__.strip()}\nRun a benchmark with --help for its options.")
     return 0 if argv else 2
   name = argv[0]
+  keep_freed_memory()  # before any JAX call allocates (``hostmem``)
   if name not in names:
     print(f"error: unknown benchmark {name!r}; available: {', '.join(names)}", file=sys.stderr)
     return 2
