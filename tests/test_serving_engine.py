@@ -627,3 +627,34 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
   finally:
     engine.stop()
   assert got == [expected(reference[i], 4) for i in greedy]
+
+
+def test_warmup_stops_before_running_out_of_memory_mappings():
+  """``MappingBudget``: each compile's growth in memory mappings is measured, and the warm-up
+  stops with a ConfigError naming the limit and what to change once the programs left would
+  pass it (XLA:CPU maps every kernel; Linux aborts a process at vm.max_map_count)."""
+  from redrafter_jax.config import ConfigError
+  from redrafter_jax.serving.placement import MappingBudget, memory_mappings
+
+  held = iter([1000, 1000, 1900])  # the probe at creation, then before each compile
+
+  def probe():
+    return next(held), 6000
+
+  budget = MappingBudget(5, probe)
+  budget.check()  # nothing compiled yet: no estimate
+  # one compile took 900; 4 programs left: 1900 + 1.2 * 900 * 4 = 6220 > 6000
+  with pytest.raises(ConfigError, match=r"remaining 4 programs .* limit of 6000 .*"
+                                        r"vm.max_map_count"):
+    budget.check()
+  fits = iter([1000, 1000, 1900, 2800, 3700, 4600])
+  ok = MappingBudget(5, lambda: (next(fits), 7000))  # 1900 + 4320 = 6220 <= 7000, and so on
+  for _ in range(5):
+    ok.check()
+  roomy = MappingBudget(5, lambda: (1000, 10 ** 6))
+  for _ in range(5):
+    roomy.check()
+  unknown = MappingBudget(5, lambda: None)  # not Linux: no check
+  unknown.check()
+  got = memory_mappings()
+  assert got is None or (0 < got[0] < got[1])

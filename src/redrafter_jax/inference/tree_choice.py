@@ -19,6 +19,7 @@ for a drafter folder, from the cache when it can; the demo and the server call i
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -189,7 +190,14 @@ def time_steps(llm, drafter, candidates: Sequence[Beams], *, draft_vocab_size: i
     slots = call.cache_width()
     calls[b.text] = call
   calls["ar"] = one_token_stepper(llm, 1, slots or 256, context)
-  return seconds_in_rounds({name: (None, call) for name, call in calls.items()}, repeat)
+  seconds = seconds_in_rounds({name: (None, call) for name, call in calls.items()}, repeat)
+  # Free the compiled programs: on XLA:CPU each holds ~900 memory mappings (its kernels'
+  # code), and a server that times the trees at start-up compiles its own programs next
+  # (``Placement.warmup``; Linux limits a process to vm.max_map_count mappings).
+  del calls
+  jax.clear_caches()
+  gc.collect()
+  return seconds
 
 
 def device_description(llm, drafter, draft_vocab_size: int) -> dict:

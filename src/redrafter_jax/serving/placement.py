@@ -50,6 +50,51 @@ def prompt_bucket(n: int, minimum: int, maximum: int) -> int:
   return min(max(minimum, 1 << max(n - 1, 0).bit_length()), maximum)
 
 
+def memory_mappings() -> tuple[int, int] | None:
+  """The memory mappings this process holds and the kernel's limit per process
+  (``vm.max_map_count``), on Linux; None elsewhere."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      held = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return held, int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+class MappingBudget:
+  """Stops a warm-up that would run out of memory mappings, before it does.
+
+  XLA:CPU maps each compiled kernel's code and data on its own (~900 mappings per server step
+  program of SmolLM2-135M), and Linux aborts the process once it holds ``vm.max_map_count``
+  (65,530 by default): a server with many programs (row buckets x modes x context buckets,
+  plus the admissions) would die mid warm-up with an LLVM error. ``check()`` before each
+  compile measures what the programs so far took and raises ``ConfigError`` saying what to
+  change when the rest would not fit."""
+
+  def __init__(self, programs: int, probe=memory_mappings):
+    self.left, self.probe = programs, probe
+    self.start = self.last = probe()
+    self.most = 0  # the largest growth one compile caused
+
+  def check(self) -> None:
+    now = self.probe()
+    if now is None or self.start is None:
+      return
+    self.most = max(self.most, now[0] - self.last[0])
+    self.last = now
+    need = now[0] + int(1.2 * self.most * self.left)
+    self.left -= 1
+    if need > now[1]:
+      raise ConfigError(
+          f"serving: the warm-up's remaining {self.left + 1} programs would take about "
+          f"{need - now[0]} more memory mappings (up to {self.most} per program here), beyond "
+          f"the kernel's limit of {now[1]} per process (vm.max_map_count; {now[0]} held now), "
+          "and the process would abort. Compile fewer programs (fewer --trees, fewer --slots, "
+          "a larger --min-context-bucket or a smaller --max-context) or raise the limit, e.g. "
+          "`sysctl -w vm.max_map_count=262144`")
+
+
 @dataclasses.dataclass(frozen=True)
 class Admission:
   """One request's prefill inputs, converted to the dtypes the slot batch holds."""
@@ -146,12 +191,16 @@ class Placement:
     bucket, as a tree's cost relative to an AR step's changes with the context read; returns
     those seconds by (rows, mode, kind, context), the cost table of ``policy.plan``. Then a
     fresh batch: serving never compiles."""
-    for T in self.buckets():
-      for k in self.admission_rows(T):
-        self.admit([self.admission(slot, [0] * T, 0, 0.0, 1.0, 0, 1) for slot in range(k)])
     programs = [(b, mode, c) for b in self.row_buckets() for mode in self.modes()
                 for c in self.context_buckets()]
+    admissions = [(T, k) for T in self.buckets() for k in self.admission_rows(T)]
+    budget = MappingBudget(len(admissions) + len(programs))
+    for T, k in admissions:
+      budget.check()
+      jax.block_until_ready(
+          self.admit([self.admission(slot, [0] * T, 0, 0.0, 1.0, 0, 1) for slot in range(k)]))
     for b, mode, c in programs:  # compile
+      budget.check()
       jax.block_until_ready(self.step(list(range(b)), [False] * b, False, True, mode, c))
     times = {(b, mode, kind, c): [] for b, mode, c in programs for kind in kinds}
     for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
