@@ -639,16 +639,16 @@ def test_warmup_stops_before_running_out_of_memory_mappings():
   held = iter([1000, 1000, 1900])  # the probe at creation, then before each compile
 
   def probe():
-    return next(held), 6000
+    return next(held), 5600
 
   budget = MappingBudget(5, probe)
   budget.check()  # nothing compiled yet: no estimate
-  # one compile took 900; 4 programs left: 1900 + 1.2 * 900 * 4 = 6220 > 6000
-  with pytest.raises(ConfigError, match=r"remaining 4 programs .* limit of 6000 .*"
+  # one compile took 900; 4 programs left: 1900 + 1.05 * 900 * 4 = 5680 > 5600
+  with pytest.raises(ConfigError, match=r"remaining 4 programs .* limit of 5600 .*"
                                         r"vm.max_map_count"):
     budget.check()
   fits = iter([1000, 1000, 1900, 2800, 3700, 4600])
-  ok = MappingBudget(5, lambda: (next(fits), 7000))  # 1900 + 4320 = 6220 <= 7000, and so on
+  ok = MappingBudget(5, lambda: (next(fits), 6000))  # 1900 + 3780 = 5680 <= 6000, and so on
   for _ in range(5):
     ok.check()
   roomy = MappingBudget(5, lambda: (1000, 10 ** 6))

@@ -5,10 +5,11 @@ The engine owns one thread, the only one that touches JAX after start-up. Its lo
      prefilled together, up to ``prefill_tokens`` padded tokens per call, each written into its
      slot's row on the device; dispatched, not waited for);
   2. dispatch one step for the occupied slots: on a row bucket that holds them (``rows``: the
-     step costs what its rows cost, not what all slots cost), as a ReDrafter tree step or a
-     plain AR step: the bucket and mode giving them the most tokens per second (``policy``: step
-     times measured at warm-up and corrected by the steps served, acceptance observed while
-     serving; the mode not chosen runs now and then, so that its cost is also the served one);
+     step costs what its rows cost, not what all slots cost), as a ReDrafter tree step (the
+     served tree, or a smaller one of ``EngineConfig.trees``) or a plain AR step: the bucket
+     and mode giving them the most tokens per second (``policy``: step times measured at
+     warm-up and corrected by the steps served, acceptance observed while serving; a mode not
+     chosen runs now and then, so that its cost is also the served one);
   3. while that step runs, read the previous step's tokens (and the new requests' first tokens),
      turn them into text (``TextStream``: stop strings, partial characters), and hand events to
      each request's ``sink``. A request that ends (stop token, stop string, max_tokens,

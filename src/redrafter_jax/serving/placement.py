@@ -65,12 +65,12 @@ def memory_mappings() -> tuple[int, int] | None:
 class MappingBudget:
   """Stops a warm-up that would run out of memory mappings, before it does.
 
-  XLA:CPU maps each compiled kernel's code and data on its own (~900 mappings per server step
-  program of SmolLM2-135M), and Linux aborts the process once it holds ``vm.max_map_count``
-  (65,530 by default): a server with many programs (row buckets x modes x context buckets,
-  plus the admissions) would die mid warm-up with an LLVM error. ``check()`` before each
-  compile measures what the programs so far took and raises ``ConfigError`` saying what to
-  change when the rest would not fit."""
+  XLA:CPU maps each compiled kernel's code and data on its own (900-1200 mappings per server
+  step program of SmolLM2-135M), and Linux aborts the process once it holds
+  ``vm.max_map_count`` (65,530 by default): a server with many programs (row buckets x modes x
+  context buckets, plus the admissions) would die mid warm-up with an LLVM error. ``check()``
+  before each compile measures what the programs so far took and raises ``ConfigError`` saying
+  what to change when the rest would not fit."""
 
   def __init__(self, programs: int, probe=memory_mappings):
     self.left, self.probe = programs, probe
@@ -83,7 +83,7 @@ class MappingBudget:
       return
     self.most = max(self.most, now[0] - self.last[0])
     self.last = now
-    need = now[0] + int(1.2 * self.most * self.left)
+    need = now[0] + int(1.05 * self.most * self.left)
     self.left -= 1
     if need > now[1]:
       raise ConfigError(
