@@ -3,7 +3,8 @@
 Every ``import`` in every module counts, function-level ones included (a lazy import is still a
 dependency). Layers, bottom first; groups on one layer are peers and must not import each other:
 
-  0  errors, shapes, config, sharding   what every layer shares
+  0  errors, shapes, config, sharding,  what every layer shares
+     hostmem
   1  models                             the networks and the KV cache
   2  weights                            loading and exporting them
   3  inference                          decoding: AR and ReDrafter
@@ -25,7 +26,7 @@ PACKAGE = "redrafter_jax"
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS = {
-    "errors": 0, "shapes": 0, "config": 0, "sharding": 0,
+    "errors": 0, "shapes": 0, "config": 0, "sharding": 0, "hostmem": 0,
     "models": 1,
     "weights": 2,
     "inference": 3,
@@ -33,7 +34,7 @@ LAYERS = {
     "bench": 5, "commands": 5,
     "cli": 6,
 }
-CORE = {"errors", "shapes", "config", "sharding"}  # one group: they may import each other
+CORE = {"errors", "shapes", "config", "sharding", "hostmem"}  # one group: they may import each other
 
 
 def module_name(path: pathlib.Path) -> str:
