@@ -122,15 +122,17 @@ class EngineConfig:
       if prior is not None and not 1.0 <= prior <= L:
         raise ConfigError(f"serving: the prior of tree {text} must be in [1, {L}], got {prior!r}")
 
-  def tree_modes(self) -> dict[str, DecodeConfig]:
+  def tree_modes(self, base: DecodeConfig | None = None) -> dict[str, DecodeConfig]:
     """Step mode -> its draft settings: "spec" (``decode``'s tree) and ``tree_mode(text)`` for
-    each of ``trees`` (``decode``'s settings with that tree). Raises ``ConfigError`` for a tree
-    that is malformed, repeated, or larger than ``decode``'s (its steps share the batch's
-    output width and scratch slots)."""
+    each of ``trees``: ``base``'s settings (default ``decode``; the placement passes its
+    resolved copy of them) with that tree. Raises ``ConfigError`` for a tree that is malformed,
+    repeated, or larger than ``decode``'s (its steps share the batch's output width and
+    scratch slots)."""
     from redrafter_jax.inference.tree_choice import Beams
 
     d = self.decode
-    out = {"spec": d}
+    base = base or d
+    out = {"spec": base}
     if not isinstance(self.trees, (tuple, list)):
       raise ConfigError(f"serving: trees must be a list of WxL[+n][/N] texts, got {self.trees!r}")
     for text in self.trees:
@@ -138,7 +140,7 @@ class EngineConfig:
         (beams,) = Beams.parse_list(str(text))
       except ValueError as e:
         raise ConfigError(f"serving: tree {text!r}: {e}") from None
-      cfg = dataclasses.replace(d, beam_width=beams.width, beam_length=beams.length,
+      cfg = dataclasses.replace(base, beam_width=beams.width, beam_length=beams.length,
                                 lookup_ngram=beams.lookup, token_budget=beams.budget or None)
       mode = tree_mode(beams.text)
       shape = lambda c: (c.beam_width, c.beam_length, c.lookup_ngram, c.num_tree_tokens)

@@ -74,12 +74,12 @@ class MappingBudget:
 
   def __init__(self, programs: int, probe=memory_mappings):
     self.left, self.probe = programs, probe
-    self.start = self.last = probe()
+    self.last = probe()  # None: not Linux, no check
     self.most = 0  # the largest growth one compile caused
 
   def check(self) -> None:
     now = self.probe()
-    if now is None or self.start is None:
+    if now is None or self.last is None:
       return
     self.most = max(self.most, now[0] - self.last[0])
     self.last = now
@@ -138,10 +138,7 @@ class Placement:
       self._llm_def, llm_state = nnx.split(llm)
     # Each tree step mode's settings: the served tree's, and the smaller ones (``trees``) with
     # the same resolved settings otherwise (draft vocabulary, acceptance rule, limits).
-    self._trees = {mode: self._decode if mode == "spec" else dataclasses.replace(
-        self._decode, beam_width=cfg.beam_width, beam_length=cfg.beam_length,
-        lookup_ngram=cfg.lookup_ngram, token_budget=cfg.token_budget)
-                   for mode, cfg in config.tree_modes().items()} if drafter is not None else {}
+    self._trees = config.tree_modes(self._decode) if drafter is not None else {}
     self.llm_state = sh.place(llm_state, sh.state_shardings(llm_state, self.mesh))
     llm_cfg, dtype = llm.config, llm.dtype
     # The attention backend's cache layout and dtype (or the model's override), stacked when

@@ -114,8 +114,16 @@ def served_decode(preset: Preset, llm, drafter, drafter_path: str | None = None,
     log.info("draft tree for this device: %s, predicted %.2fx AR at batch 1\n%s",
              choice.beams.label, choice.predicted_speedup, choice.table())
     decode = choice.config(decode)
-  tps = tree_choice.tokens_per_step_for(table, decode)
-  return decode, None if tps is None else min(tps, float(decode.beam_length))
+  return decode, measured_prior(table, decode)
+
+
+def measured_prior(table, cfg) -> float | None:
+  """The tokens/step the policy starts from for ``cfg``'s tree: the drafter's measured one
+  (``table``, its acceptance.json), at most the tree's length; None when not measured."""
+  from redrafter_jax.inference import tree_choice
+
+  tps = tree_choice.tokens_per_step_for(table, cfg)
+  return None if tps is None else min(tps, float(cfg.beam_length))
 
 
 def with_smaller_trees(config: EngineConfig, trees: Sequence[str], folder=None
@@ -140,9 +148,7 @@ def with_smaller_trees(config: EngineConfig, trees: Sequence[str], folder=None
       log.info("not serving tree %s beside the served one: %s", beams.text, e)
       continue
     kept.append(beams.text)
-    cfg = trial.tree_modes()[tree_mode(beams.text)]
-    tps = tree_choice.tokens_per_step_for(table, cfg)
-    priors.append(None if tps is None else min(tps, float(cfg.beam_length)))
+    priors.append(measured_prior(table, trial.tree_modes()[tree_mode(beams.text)]))
   return dataclasses.replace(config, trees=tuple(kept), tree_priors=tuple(priors))
 
 
@@ -186,8 +192,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   requests that do not say) to the preset's ``decode.max_new_tokens``. ``tree``: "preset" serves
   the preset's draft tree; "auto" the one predicted fastest on this device for the drafter
   (``served_decode``, batch 1; the preset's when the drafter has no acceptance table).
-  ``trees``: smaller trees the policy may run instead at a step's rows (``smaller_trees``;
-  ``EngineConfig.trees``).
+  ``trees``: smaller trees the policy may run instead at a step's rows
+  (``with_smaller_trees``; ``EngineConfig.trees``).
   """
   from redrafter_jax.weights import tokenizer as tokenizer_lib
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
