@@ -9,8 +9,9 @@ dependency). Layers, bottom first; groups on one layer are peers and must not im
   2  weights                            loading and exporting them
   3  inference                          decoding: AR and ReDrafter
   4  training | serving                 the drafter's distillation | the HTTP server
-  5  bench | commands                   benchmarks | the command line's subcommands
-  6  cli                                the ``redrafter-jax`` entry point
+  5  bench | lease                      benchmarks | GPU leases (plan, run, dry-run)
+  6  commands                           the command line's subcommands
+  7  cli                                the ``redrafter-jax`` entry point
 
 The package's ``__init__`` (the curated public API) sits above all of them.
 """
@@ -31,8 +32,9 @@ LAYERS = {
     "weights": 2,
     "inference": 3,
     "training": 4, "serving": 4,
-    "bench": 5, "commands": 5,
-    "cli": 6,
+    "bench": 5, "lease": 5,
+    "commands": 6,
+    "cli": 7,
 }
 CORE = {"errors", "shapes", "config", "sharding", "hostmem"}  # one group: they may import each other
 

@@ -30,6 +30,7 @@ COMMANDS = {
     "ablate": "redrafter_jax.commands.ablate",
     "serve": "redrafter_jax.commands.serve",
     "tune-tree": "redrafter_jax.commands.tune_tree",
+    "lease": "redrafter_jax.commands.lease",
 }
 
 

@@ -1,0 +1,275 @@
+"""``lease run``: a profile on the GPU machine, within its time, bringing back whatever finished.
+
+Runs in the lease's last call, from the stash the earlier calls filled. It reassembles and checks
+the payload, unpacks the model, then runs the profile's steps one process each. Each step's
+deadline is its share of the run's seconds, counted from the start (a step that finishes early
+leaves its time to the next ones); a step past its deadline is stopped, its process group killed.
+After every step the results are bundled into ``$OUT`` within the runner's return rules, so a
+call cut short still brings back every step that finished: ``lease.md`` (the table of steps, with
+each step's compiled programs and their seconds), ``lease.log`` (every step's output, its tail
+when too long) and ``results.tar.gz`` (the results folder; cut into numbered parts when over the
+per-file limit). ``lease collect`` unpacks that into the repository.
+
+Every step shares one persistent compilation cache in the stash (programs compiled by one step
+are loaded by the next, and by a second run while the machine is warm), and JAX logs each compile
+with its seconds (``JAX_LOG_COMPILES``), which this module reads back out of the log. The lease's
+own process never starts a JAX backend, so the GPU's memory is the steps'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import os
+import pathlib
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+from redrafter_jax.lease import model_pack
+from redrafter_jax.lease.limits import MiB, LeaseError, Limits
+from redrafter_jax.lease.plan import restore_payload
+from redrafter_jax.lease.profiles import PROMPTS, Step
+
+COMPILED = re.compile(r"Finished XLA compilation of (.+?) in ([0-9.eE+-]+) sec")
+# JAX's compile log (JAX_LOG_COMPILES): kept in lease.log, not echoed to the call's output,
+# whose tail is all the runner shows.
+JAX_LOG = re.compile(r"^(Finished (tracing|jaxpr|XLA compilation)|Compiling |Persistent "
+                     r"compilation cache (hit|miss)|Not writing persistent cache)")
+RESERVE_S = 15  # kept back at the end for the last bundle
+RESULTS_NAME = "results.tar.gz"
+
+
+@dataclasses.dataclass
+class StepResult:
+  name: str
+  what: str
+  status: str = "not run"  # ok | failed (rc N) | stopped at its deadline | not run
+  seconds: float = 0.0
+  deadline_s: float = 0.0
+  compiles: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+
+
+def machine_slug() -> str:
+  """The GPU's name as JAX spells the device kind (from nvidia-smi: no JAX backend started
+  here), else ``<system>-<machine>-<cpus>cpu`` as the suite names a CPU."""
+  try:
+    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+  except (OSError, IndexError, subprocess.SubprocessError):
+    name = f"{platform.system()}-{platform.machine()}-{os.cpu_count()}cpu"
+  return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def step_env(stash: pathlib.Path, extra) -> dict[str, str]:
+  env = dict(os.environ)
+  env.update(JAX_COMPILATION_CACHE_DIR=str(stash / "jax-cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_LOG_COMPILES="1",
+             PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+  env.update(dict(extra))
+  return env
+
+
+def run_step(argv: list[str], env, cwd: pathlib.Path, timeout_s: float, log) -> tuple[str, list]:
+  """Run one step, copying its output to ``log`` and to stdout; ``(status, compiles)``."""
+  compiles = []
+  if timeout_s <= 1:
+    return "not run (no time left)", compiles
+  try:
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+  except OSError as e:
+    log.write(f"cannot start {argv[0]}: {e}\n")
+    return f"failed (cannot start: {e})", compiles
+
+  def pump():
+    for raw in proc.stdout:
+      line = raw.decode("utf-8", errors="replace")
+      log.write(line)
+      if not JAX_LOG.match(line):
+        sys.stdout.write(line)
+      m = COMPILED.search(line)
+      if m:
+        compiles.append((m.group(1), float(m.group(2))))
+
+  reader = threading.Thread(target=pump, daemon=True)
+  reader.start()
+  try:
+    rc = proc.wait(timeout=timeout_s)
+    status = "ok" if rc == 0 else f"failed (rc {rc})"
+  except subprocess.TimeoutExpired:
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+      try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=wait)
+        break
+      except (ProcessLookupError, subprocess.TimeoutExpired):
+        continue
+    status = f"stopped at its deadline ({timeout_s:.0f} s)"
+  reader.join(timeout=5)
+  log.flush()
+  return status, compiles
+
+
+def rebuild_reports(folder: pathlib.Path, env, cwd: pathlib.Path, log) -> None:
+  """``bench report`` on every suite folder under ``folder`` (a step cut short wrote its JSON
+  after each measurement, but its report only at the end)."""
+  for m in sorted(folder.rglob("measurements.json")):
+    run_step([sys.executable, "-m", "redrafter_jax.bench", "report", str(m.parent)], env, cwd,
+             60, log)
+
+
+def summary(profile: str, device: str, budget_s: int, results: list[StepResult],
+            elapsed_s: float, note: str) -> str:
+  lines = [f"# Lease: profile {profile} on {device}", "",
+           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; run budget "
+           f"{budget_s} s, {elapsed_s:.0f} s used. {note}", "",
+           "| step | status | seconds | deadline (s from start) | programs compiled | compile s "
+           "| what |", "|---|---|---:|---:|---:|---:|---|"]
+  for r in results:
+    lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {r.deadline_s:.0f} | "
+                 f"{len(r.compiles)} | {sum(s for _, s in r.compiles):.1f} | {r.what} |")
+  for r in results:
+    if r.compiles:
+      lines += ["", f"## {r.name}: compiled programs, slowest first", "",
+                "| program | seconds |", "|---|---:|"]
+      lines += [f"| `{p}` | {s:.2f} |" for p, s in sorted(r.compiles, key=lambda c: -c[1])]
+  return "\n".join(lines) + "\n"
+
+
+def _replace(path: pathlib.Path, data: bytes) -> None:
+  tmp = path.with_name(f".{path.name}.tmp")
+  tmp.write_bytes(data)
+  os.replace(tmp, path)
+
+
+def bundle(results_root: pathlib.Path, log_path: pathlib.Path, summary_md: str,
+           out: pathlib.Path, limits: Limits) -> list[str]:
+  """Write ``out``: lease.md, lease.log and the results tar within the return rules; returns
+  notes on what did not fit."""
+  out.mkdir(parents=True, exist_ok=True)
+  notes = []
+  _replace(out / "lease.md", summary_md.encode())
+  cap = limits.return_file_bytes - 4096
+  log = log_path.read_bytes() if log_path.is_file() else b""
+  if len(log) > cap:
+    log = b"[... the log's first %d bytes left out ...]\n" % (len(log) - cap) + log[-cap:]
+  _replace(out / "lease.log", log)
+  files = sorted(p for p in results_root.rglob("*") if p.is_file())
+  max_parts = limits.return_files - 2
+  while True:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+      for p in files:
+        tar.add(str(p), arcname=str(p.relative_to(results_root.parent)))
+    data = buf.getvalue()
+    parts = [data[i:i + cap] for i in range(0, len(data), cap)]
+    if len(parts) <= max_parts or not files:
+      break
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    notes.append(f"left out {biggest.relative_to(results_root)} ({biggest.stat().st_size} bytes)")
+    files.remove(biggest)
+  for old in out.glob(RESULTS_NAME + "*"):
+    old.unlink()
+  if len(parts) == 1:
+    _replace(out / RESULTS_NAME, parts[0])
+  else:
+    for i, part in enumerate(parts):
+      _replace(out / f"{RESULTS_NAME}.{i:02d}", part)
+  return notes
+
+
+def run(profile_name: str, size: str, stash: pathlib.Path, out: pathlib.Path, budget_s: int,
+        repo: pathlib.Path, limits: Limits = Limits()) -> int:
+  """Run a profile from ``stash`` within ``budget_s`` seconds, results into ``out``; returns 0
+  when every step finished ok."""
+  from redrafter_jax.lease.profiles import profile
+
+  t0 = time.monotonic()
+  steps: list[Step] = profile(profile_name, size)
+  stash = stash.resolve()
+  work = stash / "work"
+  if work.exists():
+    shutil.rmtree(work)
+  slug = machine_slug()
+  results_root = work / "results"
+  folder = results_root / slug / f"{datetime.date.today().isoformat()}-lease-{profile_name}"
+  folder.mkdir(parents=True)
+  log_path = work / "lease.log"
+  device = slug if size == "gpu" else f"{slug} (dry-run sizes)"
+  records = [StepResult("payload", "reassemble and check the payload, unpack the model")]
+  records += [StepResult(s.name, s.what) for s in steps]
+  usable = budget_s - RESERVE_S
+  total_share = sum(s.share for s in steps)
+  note = ""
+
+  def publish():
+    md = summary(profile_name, device, budget_s, records, time.monotonic() - t0, note)
+    (folder / "lease.md").write_text(md)
+    for n in bundle(results_root, log_path, md, out, limits):
+      print(f"lease: {n}", file=sys.stderr)
+
+  with open(log_path, "w") as log:
+    start = time.monotonic()
+    try:
+      payload = restore_payload(stash, stash / "payload")
+      model_pack.unpack(payload, stash / "model")
+      records[0].status = "ok"
+    except (LeaseError, OSError, ValueError) as e:
+      records[0].status = f"failed ({e})"
+      log.write(f"payload: {e}\n")
+    records[0].seconds = time.monotonic() - start
+    publish()
+    if records[0].status != "ok":
+      return 1
+    fill = dict(py=sys.executable, model=str(stash / "model"), results=str(folder),
+                prompts=str(repo / PROMPTS))
+    done_share = 0.0
+    for step, rec in zip(steps, records[1:]):
+      done_share += step.share
+      rec.deadline_s = (records[0].seconds
+                        + (usable - records[0].seconds) * done_share / total_share)
+      timeout = min(rec.deadline_s, usable) - (time.monotonic() - t0)
+      argv = [a.format(**fill) for a in step.argv]
+      log.write(f"\n===== {step.name}: {' '.join(argv)} (until {rec.deadline_s:.0f} s)\n")
+      log.flush()
+      print(f"lease: step {step.name}, {timeout:.0f} s", flush=True)
+      env = step_env(stash, step.env)
+      start = time.monotonic()
+      rec.status, rec.compiles = run_step(argv, env, repo, timeout, log)
+      rec.seconds = time.monotonic() - start
+      if step.reports:
+        rebuild_reports(folder, env, repo, log)
+      publish()
+  failed = [r.name for r in records if r.status != "ok"]
+  print(f"lease: {len(records) - len(failed)}/{len(records)} steps ok"
+        + (f"; not ok: {', '.join(failed)}" if failed else ""), flush=True)
+  return 1 if failed else 0
+
+
+def collect(files_at: pathlib.Path, repo: pathlib.Path) -> pathlib.Path:
+  """Unpack what a lease brought back into ``repo``; returns the lease's results folder."""
+  parts = sorted(files_at.rglob(RESULTS_NAME + "*"))
+  if not parts:
+    raise LeaseError(f"{files_at}: no {RESULTS_NAME} (did the last call run `lease run`? its "
+                     "lease.md and lease.log say how far it got)")
+  data = b"".join(p.read_bytes() for p in parts)
+  with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+    names = tar.getnames()
+    if any(not n.startswith("results/") for n in names):
+      raise LeaseError(f"{files_at}: the tar holds paths outside results/")
+    tar.extractall(repo, filter="data")
+  folders = {pathlib.Path(*pathlib.Path(n).parts[:3]) for n in names if len(
+      pathlib.Path(n).parts) > 3}
+  log = next(iter(sorted(files_at.rglob("lease.log"))), None)
+  for f in sorted(folders):
+    if log is not None:
+      shutil.copy(log, repo / f / "lease.log")
+  return repo / sorted(folders)[0] if folders else repo / "results"
