@@ -232,8 +232,18 @@ class DecodeConfig:
   # Draft only the R most frequent tokens (the drafter's token ranking); 0 = the whole vocab.
   draft_vocab_size: int = 0
   cache_size: int | None = None  # S; None means prompt + max_new_tokens + L, rounded up
+  # Decode steps the jitted loop runs per check of its stop predicate. 1: a plain
+  # ``lax.while_loop``, one check per step (on a GPU XLA copies each check to the host, so the
+  # next step cannot be launched before the current one ends). k > 1: each iteration runs k
+  # steps in a loop of fixed trip count and checks once; steps after the batch is done (or past
+  # a context bucket) change nothing, so tokens and metrics equal k=1's. The Python-loop twin
+  # and the server run one step per call and ignore it.
+  steps_per_check: int = 1
 
   def __post_init__(self):
+    if (not isinstance(self.steps_per_check, int) or isinstance(self.steps_per_check, bool)
+        or self.steps_per_check < 1):
+      raise ConfigError(f"steps_per_check must be an integer >= 1, got {self.steps_per_check!r}")
     if not isinstance(self.beam_width, int) or self.beam_width < 1:
       raise ConfigError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
     if not isinstance(self.beam_length, int) or self.beam_length < 2:

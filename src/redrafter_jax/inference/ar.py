@@ -2,6 +2,7 @@
 
 It is what ReDrafter is measured against and must reproduce (greedy), and what writes the
 teacher data for training. The whole generation runs on the device; only the result comes back.
+Its loop checks the stop predicate once per k steps when asked (``runtime.checked_loop``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import numpy as np
 from flax import nnx, struct
 
 from redrafter_jax.inference import sampling
-from redrafter_jax.inference.runtime import (GenerateError, Output, cache_size_for,
-                                             check_sampling, empty_output, pack_prompts, prefill,
-                                             record)
+from redrafter_jax.inference.runtime import (GenerateError, Output, cache_size_for, check_sampling,
+                                             check_steps_per_check, checked_loop, empty_output,
+                                             keep_unless, pack_prompts, prefill, record)
 from redrafter_jax.inference.timing import timed_calls
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.llama import Llama
@@ -82,10 +83,11 @@ def one_token_step_seconds(model: Llama, batch: int, slots: int, length: int, re
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_size",
-                                             "filtered", "greedy"), donate_argnames=())
+                                             "filtered", "greedy", "steps_per_check"),
+                   donate_argnames=())
 def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
               stop_ids, *, max_new_tokens: int, cache_size: int, filtered: bool,
-              greedy: bool = False) -> Output:
+              greedy: bool = False, steps_per_check: int = 1) -> Output:
   model = nnx.merge(graphdef, state)
   B = tokens_BT.shape[0]
   cache = model.init_cache(B, cache_size)
@@ -98,16 +100,19 @@ def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingPa
   def cond(s: _ARState):
     return ~jnp.all(s.done_B)
 
-  def body(s: _ARState):
+  def body(s: _ARState, live):
     logits_BV, cache = one_token_step(model, s.last_B, s.cache)
     rng, key = jax.random.split(s.rng)
     next_B = _next_tokens(key, logits_BV, params, filtered=filtered, greedy=greedy)
     out, done_B = record(s.out, s.done_B, next_B[:, None], jnp.ones_like(next_B), stop_ids,
                          max_new_tokens)
-    return _ARState(cache, next_B, out.replace(steps=out.steps + 1), done_B, rng)
+    # A masked step (every row already done) keeps the old state: no step counted, the
+    # lengths kept, so its K/V write stays on one scratch slot inside the cache.
+    return keep_unless(live, _ARState(cache, next_B, out.replace(steps=out.steps + 1), done_B,
+                                      rng), s)
 
   state0 = _ARState(cache, first_B, out, done_B, rng)
-  return jax.lax.while_loop(cond, body, state0).out
+  return checked_loop(cond, body, state0, steps_per_check).out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +132,7 @@ class Result:
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
              temperature=0.0, top_p=1.0, top_k=0, seed: int = 0, stop_ids: Sequence[int] = (),
-             cache_size: int | None = None) -> Result:
+             cache_size: int | None = None, steps_per_check: int = 1) -> Result:
   """Plain AR decoding of a batch of token-id prompts: the baseline ReDrafter must reproduce.
 
   Args:
@@ -139,6 +144,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     seed: the PRNG seed of the sampled rows.
     stop_ids: token ids that end a row (the stop token is included in its output).
     cache_size: static KV-cache slots per row; None: prompt + ``max_new_tokens``, rounded up.
+    steps_per_check: steps per check of the loop's stop predicate (``checked_loop``; as
+      ``DecodeConfig.steps_per_check``); the result does not depend on it.
 
   Returns:
     A ``Result``: each row's new tokens, whether it stopped on a stop token, and the number of
@@ -146,6 +153,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
   """
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise GenerateError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  check_steps_per_check(steps_per_check)
   check_sampling(temperature, top_p, top_k)
   tokens_BT, lengths_B = pack_prompts(prompts)
   limit = model.config.max_position_embeddings
@@ -159,5 +167,5 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                   jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32),
                   max_new_tokens=max_new_tokens, cache_size=size,
                   filtered=sampling.needs_filter(top_p, top_k),
-                  greedy=sampling.all_greedy(temperature))
+                  greedy=sampling.all_greedy(temperature), steps_per_check=steps_per_check)
   return Result.from_output(out)

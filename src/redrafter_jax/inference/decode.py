@@ -4,7 +4,8 @@
 ``Sampler``: it splits both models (``nnx.split``), restricts the drafter to
 ``cfg.draft_vocab_size`` tokens, and holds the three jitted programs a decode runs: ``init``
 (prefill and the first token), ``loop`` (a ``lax.while_loop`` of ``step.step``, the whole
-generation on the device) and ``step`` (one step: the Python-loop twin, ``stepwise``, for tests
+generation on the device; ``cfg.steps_per_check`` steps per check of its predicate, see
+``runtime.checked_loop``) and ``step`` (one step: the Python-loop twin, ``stepwise``, for tests
 and debugging). Calling it decodes. A call whose static shapes were seen before (batch, padded
 prompt length, cache size, all-greedy or not, top-k/top-p on or off) compiles nothing and splits
 nothing; temperatures, top-p/top-k values and seeds travel as arrays.
@@ -36,7 +37,7 @@ from flax import nnx
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import sampling
 from redrafter_jax.inference.runtime import (GenerateError, cache_size_for, check_sampling,
-                                             pack_prompts)
+                                             checked_loop, keep_unless, pack_prompts)
 from redrafter_jax.inference.step import DecodeState, Metrics, init, step
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter, restrict_vocab
@@ -58,9 +59,10 @@ def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *
 _STATIC = ("llm_def", "drafter_def", "cfg", "filtered", "greedy", "width")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("steps_per_check",),
+                   donate_argnames=("state",))
 def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, embed_VD, state, params, stop_ids,
-              *, cfg, filtered, greedy, width):
+              *, cfg, filtered, greedy, width, steps_per_check):
   TRACE_COUNT["decode"] += 1
   llm, drafter = nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state)
 
@@ -70,11 +72,15 @@ def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, embed_VD, state, p
       return go
     return go & (jnp.max(s.cache.lengths_B) + cfg.num_tree_tokens <= width)
 
-  return jax.lax.while_loop(
-      cond,
-      lambda s: step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered, greedy=greedy,
-                     width=width, embed_VD=embed_VD),
-      state)
+  def body(s, live):
+    # A masked step (past the end, or one that would outgrow the bucket: ``cond`` false)
+    # keeps the old state; its writes land on scratch slots (``keep_unless``), so the next
+    # segment starts from exactly the state a check after every step would have left.
+    new = step(llm, drafter, s, params, stop_ids, cfg, filtered=filtered, greedy=greedy,
+               width=width, embed_VD=embed_VD)
+    return keep_unless(live, new, s)
+
+  return checked_loop(cond, body, state, steps_per_check)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
@@ -146,8 +152,10 @@ def draft_embedding(llm: Llama) -> jax.Array | None:
 def static_config(cfg: DecodeConfig) -> DecodeConfig:
   """``cfg`` as the compiled programs see it: without the sampling defaults, which travel as
   arrays (changing a temperature must not recompile; only whether every row is greedy is
-  static), and without the cache size, which the cache's shape carries."""
-  return dataclasses.replace(cfg, temperature=0.0, top_p=1.0, top_k=0, cache_size=None)
+  static), without the cache size, which the cache's shape carries, and without
+  ``steps_per_check``, which only the loop program takes (as its own static argument)."""
+  return dataclasses.replace(cfg, temperature=0.0, top_p=1.0, top_k=0, cache_size=None,
+                             steps_per_check=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +261,7 @@ class ReDrafter:
       width = self.width(p, state)
       state = _loop_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
                         self.draft_embed, state, p.params, p.stop_ids, width=width,
-                        **self._static(p))
+                        steps_per_check=self.config.steps_per_check, **self._static(p))
       if width is None or bool(jnp.all(state.done_B)):
         return state
 

@@ -8,7 +8,7 @@ until the batch is done: shapes are static).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +107,48 @@ def check_sampling(temperature, top_p, top_k) -> None:
     raise GenerateError(f"top_p must be in (0, 1], got {top_p}")
   if np.any(np.asarray(top_k) < 0):
     raise GenerateError(f"top_k must be >= 0, got {top_k}")
+
+
+def checked_loop(cond: Callable, step: Callable, state, steps_per_check: int):
+  """``lax.while_loop(cond, step, state)`` that checks ``cond`` once per ``steps_per_check`` steps.
+
+  On a GPU, XLA runs a while loop of unknown trip count by copying each predicate to the host and
+  waiting for it, so the next step's kernels cannot be launched while the current step runs. With
+  ``steps_per_check`` k > 1 each outer iteration runs k steps in an inner loop of static trip
+  count (which XLA runs without reading anything back), and only the outer loop checks ``cond``.
+
+  ``step(state, live)`` gets ``live``, ``cond`` of its state as a traced bool (None when k = 1:
+  every step is live), and must change nothing that matters when it is false; ``keep_unless``
+  does that for a state with a ``.cache``. Steps after ``cond`` fails are masked with selects,
+  not skipped with ``lax.cond``: a conditional reads its predicate back on a GPU too.
+  """
+  if steps_per_check == 1:
+    return jax.lax.while_loop(cond, lambda s: step(s, None), state)
+
+  def block(s):
+    return jax.lax.fori_loop(0, steps_per_check, lambda _, s: step(s, cond(s)), s)
+
+  return jax.lax.while_loop(cond, block, state)
+
+
+def keep_unless(live, new, old):
+  """The state after a step of ``checked_loop``: ``new`` where ``live`` (a traced bool; None:
+  always), else ``old``, leaf by leaf, for a state that holds its KV cache as ``.cache``.
+
+  The cache's K/V buffers are always ``new``'s: a step writes only at or past each row's
+  committed length (the new tokens' K/V, then the accepted ones moved within those slots), and
+  with the lengths kept those slots are scratch that the next forward writes before it reads.
+  Selecting them too would copy the whole cache at every step.
+  """
+  if live is None:
+    return new
+  pick = lambda n, o: jax.lax.select(live, n, o)
+  small = jax.tree.map(pick, new.replace(cache=new.cache.lengths_B),
+                       old.replace(cache=old.cache.lengths_B))
+  return small.replace(cache=new.cache.replace(lengths_B=small.cache))
+
+
+def check_steps_per_check(steps_per_check) -> None:
+  if (not isinstance(steps_per_check, int) or isinstance(steps_per_check, bool)
+      or steps_per_check < 1):
+    raise GenerateError(f"steps_per_check must be an integer >= 1, got {steps_per_check!r}")
