@@ -1,10 +1,24 @@
 """Shared fixtures. Fakes 8 CPU devices (before JAX is imported) to test sharding, and makes
 implicit rank promotion an error: every broadcast in the library is written out (``[:, None]``),
-so a shape mistake fails loudly instead of broadcasting into a wrong answer."""
+so a shape mistake fails loudly instead of broadcasting into a wrong answer.
+
+Tests run on the CPU unless ``JAX_PLATFORMS`` says otherwise (CI has no GPU). On a GPU machine
+run them with ``JAX_PLATFORMS=cuda,cpu``: the GPU is then the default backend (the ``gpu``-marked
+tests run), and the CPU stays available for what names it (the HF folder reader stages tensors on
+the CPU backend, so with ``cuda`` alone every tiny-model reference fails with "Unknown backend
+cpu"). The fake device count is an XLA:CPU flag: it multiplies the host platform only, never the
+GPUs, so it is added to ``XLA_FLAGS`` (keeping any flags already there) on every platform. Tests
+that shard over the default backend's 8 devices assume the CPU default.
+
+Float32 parity tests state their matmul precision (``jax.default_matmul_precision("highest")``):
+a GPU's default float32 matmul is TF32, ten mantissa bits, which is not the arithmetic they check.
+"""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAKE_DEVICES}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # also for the subprocesses tests start
 
@@ -12,6 +26,17 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(scope="module")
+def float32_matmuls():
+  """Float32 matmuls computed in float32 on every backend, for the module that asks (``pytestmark
+  = pytest.mark.usefixtures("float32_matmuls")``) and its module fixtures: JAX's default float32
+  matmul on a GPU is TF32, ten mantissa bits, and a parity test checks float32 arithmetic. The
+  setting is the calling thread's: work in other threads (the serving engine's loop) keeps the
+  default, so a module that runs the engine must not ask for it (its programs would differ)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,8 @@ from redrafter_jax.models.linear import project
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.models.pallas_attention import attend_pallas, filled_slots
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 LAYOUTS = kvc.LAYOUTS
 
 

@@ -11,6 +11,8 @@ from redrafter_jax.inference.beam_search import beam_search
 from redrafter_jax.models.drafter import Drafter, reference_top_k_cut
 from redrafter_jax.weights.params import flat_params
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 D, V = 8, 40
 
 

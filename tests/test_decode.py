@@ -13,6 +13,8 @@ from redrafter_jax.inference.runtime import GenerateError
 from redrafter_jax.models.drafter import Drafter
 from tiny_models import TINY_LLM, TINY_VOCAB, tiny_llm
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 V = TINY_VOCAB
 CFG = TINY_LLM
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20]]

@@ -23,7 +23,8 @@ from redrafter_jax.weights.drafter_io import load_drafter
 from redrafter_jax.weights.shipped import recommended_config, resolve_drafter
 from redrafter_jax.weights.tokenizer import encode
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.usefixtures("float32_matmuls")]  # float32 parity: no TF32 on GPUs
 
 NEW = 64
 NUM_PROMPTS = 20

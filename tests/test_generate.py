@@ -14,6 +14,8 @@ from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.runtime import GenerateError, pack_prompts
 from redrafter_jax.models import kv_cache as kvc
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):

@@ -13,6 +13,8 @@ import tiny_models
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models import llama
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 S = 64  # cache slots
 
 

@@ -22,6 +22,8 @@ from redrafter_jax.models import linear, llama
 from redrafter_jax.models.attention import BackendError, attend, check_backend
 from redrafter_jax.weights.llama_weights import load_llama
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 
 def random_tokens(seed, shape, vocab=tiny_models.VOCAB):
   return np.random.default_rng(seed).integers(0, vocab, size=shape, dtype=np.int32)

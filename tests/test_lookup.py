@@ -14,6 +14,8 @@ from redrafter_jax.inference.decode import decode, decode_stepwise
 from redrafter_jax.serving import batch as batch_lib
 from tiny_models import TINY_LLM, TINY_VOCAB
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 V = TINY_VOCAB
 CFG = TINY_LLM
 # Prompts that repeat themselves (a copy is there to find) and ones that do not.

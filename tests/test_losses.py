@@ -11,6 +11,8 @@ from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.training import losses
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 V, D = 50, 8
 
 

@@ -20,6 +20,8 @@ from redrafter_jax.weights.drafter_io import load_drafter, save_drafter
 from redrafter_jax.weights.naming import WeightsError
 from redrafter_jax.weights.params import flat_params, load_into
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 D, C, V = 16, 24, 37
 CONFIGS = {
     "proj-rnn": DrafterConfig(vocab_size=V, hidden_size=D, exit_dim=C, num_draft_layers=2),

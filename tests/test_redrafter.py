@@ -17,6 +17,8 @@ from redrafter_jax.inference.runtime import GenerateError
 from redrafter_jax.models.drafter import Drafter
 from tiny_models import TINY_LLM, TINY_VOCAB
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 V = TINY_VOCAB
 CFG = TINY_LLM
 DECODE = DecodeConfig(beam_width=2, beam_length=3, max_new_tokens=10, draft_vocab_size=16)

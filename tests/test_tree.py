@@ -13,6 +13,8 @@ from redrafter_jax.inference import tree as tree_lib
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.llama import Llama
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 PAPER_BEAMS = [[91, 92, 93, 95], [91, 92, 94, 96], [91, 92, 93, 97]]
 # Every tree function is checked as called eagerly and under jax.jit (the budget static).
 JIT = pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])

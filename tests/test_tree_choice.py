@@ -130,11 +130,12 @@ def test_calibration_prompts_are_held_out_and_spread_over_categories(tmp_path):
   """``tune-tree`` calibrates on prompts with no teacher answer (never trained on), taken
   round-robin over categories."""
   from redrafter_jax.commands.tune_tree import calibration_prompts
+  from redrafter_jax.jsonl import write_jsonl
   from redrafter_jax.training import data as data_lib
 
   rows = [{"id": f"{c}-{i}", "category": c, "prompt": f"{c} {i}"}
           for c in ("code", "math", "qa") for i in range(4)]
-  data_lib.write_jsonl(rows, tmp_path / "p.jsonl")
+  write_jsonl(rows, tmp_path / "p.jsonl")
   teacher = tmp_path / "teacher"
   teacher.mkdir()
   data_lib.write_shard(teacher / "shard-00000.npz", [
@@ -151,8 +152,8 @@ def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, ca
   keeps the table and reads the cached times."""
   from redrafter_jax import cli
   from redrafter_jax.config import DrafterConfig
+  from redrafter_jax.jsonl import write_jsonl
   from redrafter_jax.models.drafter import Drafter
-  from redrafter_jax.training import data as data_lib
   from redrafter_jax.weights.base_model import load_base_model
   from redrafter_jax.weights.drafter_io import save_drafter
 
@@ -160,8 +161,8 @@ def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, ca
   _, cfg = load_base_model("random:tiny")
   save_drafter(Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size),
                        rngs=nnx.Rngs(0)), tmp_path / "drafter")
-  data_lib.write_jsonl([{"id": str(i), "category": "c", "prompt": f"prompt {i}"}
-                        for i in range(5)], tmp_path / "p.jsonl")
+  write_jsonl([{"id": str(i), "category": "c", "prompt": f"prompt {i}"} for i in range(5)],
+              tmp_path / "p.jsonl")
   (tmp_path / "teacher").mkdir()
   args = ["tune-tree", "--model", "random:tiny", "--drafter", str(tmp_path / "drafter")]
   assert cli.main(args + ["--prompts", str(tmp_path / "p.jsonl"), "--held-out-from",

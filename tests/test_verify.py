@@ -20,6 +20,8 @@ from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 V = 8
 K = 3  # compare the joint distribution of the first K generated tokens
 PROMPT = [1, 2, 3, 4]

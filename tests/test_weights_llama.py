@@ -14,6 +14,8 @@ from redrafter_jax.weights.llama_weights import HF_TABLE, load_llama, unpermute_
 from redrafter_jax.weights.naming import WeightsError
 from redrafter_jax.weights.params import flat_params
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # float32 parity: no TF32 on GPUs
+
 
 def hf_state(hf_model) -> dict[str, np.ndarray]:
   return {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}

@@ -63,7 +63,7 @@ class AnswerCache:
   def __init__(self, path: pathlib.Path | None):
     self.path, self.answers = path, {}
     if path is not None and path.exists():
-      from redrafter_jax.training.data import read_jsonl
+      from redrafter_jax.jsonl import read_jsonl
 
       for lineno, row in read_jsonl(path, "key", what="answers file"):
         if not isinstance(row.get("answer"), list):

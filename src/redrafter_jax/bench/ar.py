@@ -49,7 +49,7 @@ def parse_args(argv):
 def read_prompts(path: pathlib.Path, n: int | None) -> list[dict]:
   """``n`` rows spread evenly over the file (so several categories are covered); all rows in
   file order when ``n`` is None."""
-  from redrafter_jax.training.data import read_jsonl
+  from redrafter_jax.jsonl import read_jsonl
 
   rows = [row for _, row in read_jsonl(path, "prompt", what="prompts file")]
   if not rows:

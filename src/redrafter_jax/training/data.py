@@ -38,15 +38,12 @@ from typing import Any, Iterator, Mapping, Sequence
 import grain
 import numpy as np
 
-from redrafter_jax.errors import UserError
+# Raised here for data folders, shards and records too; importable from here as before.
+from redrafter_jax.jsonl import DataError
 
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".npz"
 FIELDS = ("tokens", "loss_mask", "segment_ids", "positions")
-
-
-class DataError(UserError, ValueError):
-  """A data folder, prompts file or record is missing or malformed."""
 
 
 def make_record(tokens: Sequence[int], mask: Sequence[int], *, id: str = "",
@@ -119,44 +116,6 @@ class ShardSource:
 
   def __getitem__(self, index: int) -> dict[str, Any]:
     return self._records[index]
-
-
-def read_jsonl(path: str | pathlib.Path, field: str, *, what: str = "file",
-               limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
-  """``(line number, object)`` of each non-blank line of a JSON-lines file (gzip-compressed when
-  its name ends in ``.gz``); every object must hold a non-empty string ``field``. Lines end at
-  "\\n" only (``str.splitlines`` would also split at U+2028 inside a JSON string)."""
-  import gzip
-
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise DataError(f"{what} not found: {path}")
-  raw = path.read_bytes()
-  text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
-  out = []
-  for lineno, line in enumerate(text.split("\n"), 1):
-    if not line.strip():
-      continue
-    try:
-      obj = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-    if not isinstance(obj, dict) or not isinstance(obj.get(field), str) or not obj[field].strip():
-      raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {field!r}")
-    out.append((lineno, obj))
-    if limit is not None and len(out) >= limit:
-      break
-  return out
-
-
-def write_jsonl(rows: Sequence[Mapping[str, Any]], path: str | pathlib.Path) -> None:
-  """Write rows as JSON lines (gzip-compressed, byte-for-byte reproducible, for ``.gz``)."""
-  import gzip
-
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-  path.write_bytes(gzip.compress(text, mtime=0) if path.suffix == ".gz" else text)
 
 
 def read_manifest(folder: str | pathlib.Path) -> dict[str, Any]:

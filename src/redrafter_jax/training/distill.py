@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from redrafter_jax.config import ConfigError
 from redrafter_jax.inference.ar import generate
+from redrafter_jax.jsonl import read_jsonl
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.training import data as data_lib
 from redrafter_jax.training.data import DataError
@@ -52,7 +53,7 @@ def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[Pro
   the line."""
   out = [Prompt(id=str(obj.get("id", f"line-{lineno}")), category=str(obj.get("category", "")),
                 text=obj["prompt"])
-         for lineno, obj in data_lib.read_jsonl(path, "prompt", what="prompts file", limit=limit)]
+         for lineno, obj in read_jsonl(path, "prompt", what="prompts file", limit=limit)]
   if not out:
     raise DataError(f"{path}: no prompts")
   return out

@@ -29,7 +29,7 @@ import hashlib
 import pathlib
 from typing import Iterable, Sequence
 
-from redrafter_jax.training.data import DataError, read_jsonl, write_jsonl
+from redrafter_jax.jsonl import DataError, read_jsonl, write_jsonl
 
 # --------------------------------------------------------------------------- context tasks
 
