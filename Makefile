@@ -36,7 +36,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: fetch
-	$(PY) -m redrafter_jax.bench suite --prompts ../shared/data/spec_bench.jsonl --drafter shipped \
+	$(PY) -m redrafter_jax.bench suite --prompts data/spec_bench.jsonl.gz --drafter shipped \
 	    --param-dtype auto
 
 clean:

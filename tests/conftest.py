@@ -52,12 +52,16 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def spec_bench_path():
+def spec_bench_path(tmp_path_factory):
+  """The Spec-Bench prompts the checkout carries (data/spec_bench.jsonl.gz), as a plain JSON-lines
+  file: tests read its rows with ``read_text``, the code under test reads either form."""
+  import gzip
   from pathlib import Path
 
-  path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench.jsonl"
-  if not path.is_file():
-    pytest.fail(f"Spec-Bench prompts not found at {path} (../shared/data beside the checkout)")
+  from redrafter_jax.bench.ar import DEFAULT_PROMPTS
+
+  path = tmp_path_factory.mktemp("spec_bench") / "spec_bench.jsonl"
+  path.write_bytes(gzip.decompress(Path(DEFAULT_PROMPTS).read_bytes()))
   return path
 
 

@@ -76,8 +76,21 @@ def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, ca
                   "## Batch sizes", "untrained"):
     assert section in md
   assert "LOSSY" in md and all(f"]({p})" in md for p in PNGS)
+  # The divergence section: both AR controls on each prompt, counted in the summary line.
+  controls = data["divergence"]["controls"]
+  assert set(controls) == {"p0", "p4"} and data["divergence"]["gaps"] == {}
+  assert controls["p0"]["ar_batch4"]["companions"] == ["p4"] * 3
+  for pid, c in controls.items():
+    assert c["ar_other_cache"]["cache_size"] != data["prompts"][pid]["cache_size"]
+    assert 1 <= len(c["ar_batch4"]["output_ids"]) <= 10
+  assert "## Greedy divergence from our AR" in md
+  assert re.search(r"^ReDrafter differs on 0/2; AR-vs-AR controls on \d/2, \d/2$", md, re.M)
 
-  # Resume: drop one run and one step split; only those two are measured again.
+  # Resume: drop one run and one step split; only those two are measured again. A difference
+  # planted in one ReDrafter output gets its float32 gap then (the JSON has no gap for it).
+  planted = data["runs"]["p0"]["redrafter_W1_L4_lookup3"]["output_ids"]
+  t = min(2, len(planted) - 1)
+  ar_token, planted[t] = planted[t], (planted[t] + 1) % tiny_models.VOCAB
   removed = data["runs"]["p4"].pop("redrafter_W4_L5")
   del data["step_split"]["redrafter_W1_L4_lookup3"]
   (folder / "measurements.json").write_text(json.dumps(data))
@@ -93,6 +106,16 @@ def test_quick_run_writes_everything_and_resumes(tiny, tmp_path, monkeypatch, ca
   assert again["runs"]["p0"] == data["runs"]["p0"]  # untouched measurements are kept
   assert again["runs"]["p4"]["redrafter_W4_L5"]["output_ids"] == removed["output_ids"]
   assert len(again["sessions"]) == 2
+  assert again["divergence"]["controls"] == controls
+  gap = again["divergence"]["gaps"]["p0"]["redrafter_W1_L4_lookup3"]
+  assert (gap["index"], gap["reference_token"], gap["other_token"]) == (t, ar_token, planted[t])
+  assert gap["gap"] > 0 and gap["float32_prefers"] == ar_token  # AR took the model's argmax
+  md = (folder / "results.md").read_text()
+  assert re.search(r"^ReDrafter differs on 1/2; AR-vs-AR controls on \d/2, \d/2$", md, re.M)
+  assert re.search(rf"^\| p0 \| writing \| {t} \| {ar_token} .* \| {planted[t]} .* \| "
+                   rf"\+{gap['gap']:.3f} \| reference \|$", md, re.M)
+  assert report.main([str(folder)]) == 0  # rebuilt from the JSON alone: the same report
+  assert (folder / "results.md").read_text() == md
 
   # A resumed run must not mix settings.
   capsys.readouterr()
@@ -118,6 +141,35 @@ def test_bf16_weights_run_adds_the_fp32_ar_baseline(tiny, tmp_path):
   assert "vs our AR, fp32 weights" in md and "bfloat16 weights" in md
   fp32_row = next(l for l in md.splitlines() if l.startswith("| our AR greedy, float32 weights |"))
   assert fp32_row.split("|")[6].strip() == "1.00x"  # its own speedup over itself
+
+
+def test_one_cache_size_for_every_method_prompt_and_batch(tiny, tmp_path, capsys):
+  """``--cache-size N``: every run, control and batch uses N; a prompt that needs more is
+  skipped with a message; N past the model's context is a one-line error."""
+  from redrafter_jax.weights.tokenizer import encode, load_tokenizer
+
+  model, prompts = tiny
+  tok = load_tokenizer(model)
+  rows = {r["id"]: r for r in map(json.loads, prompts.read_text().splitlines())}
+  n = {pid: len(encode(tok, rows[pid]["prompt"], chat=True)) for pid in ("p0", "p4")}
+  args = quick_args(tiny, tmp_path, "--no-transformers", "--temperatures", "0.7",
+                    "--typical-temperature", "0", "--batch-sizes", "2", "--max-new-tokens", "60",
+                    "--beams", "2x3", "--main-beams", "2x3")
+  o = suite.parse_args(args)
+  scratch = max(b.length + b.config().num_tree_tokens for b in o.beams + [o.main_beams])
+  N = n["p4"] + o.max_new_tokens + scratch  # p4's need exactly: the longer p0 does not fit
+  assert N > 64  # more than the padded prompt, which must fit too
+  assert suite.main(args + ["--cache-size", str(N)]) == 0
+  err = capsys.readouterr().err
+  assert f"skipping prompt p0: {n['p0']} tokens do not fit --cache-size {N}" in err
+  data = json.loads((the_folder(tmp_path) / "measurements.json").read_text())
+  assert list(data["runs"]) == ["p4"] and data["settings"]["cache_size"] == N
+  assert data["prompts"]["p4"]["cache_size"] == N
+  assert {r["cache_size"] for r in data["runs"]["p4"].values()} == {N}
+  assert {r["cache_size"] for recs in data["batch"].values() for r in recs.values()} == {N}
+  assert data["divergence"]["controls"]["p4"]["ar_batch4"]["cache_size"] == N
+  assert suite.main(quick_args(tiny, tmp_path / "other", "--cache-size", "1000")) == 2
+  assert "--cache-size 1000 is outside 1..256" in capsys.readouterr().err
 
 
 def synthetic():
@@ -203,7 +255,7 @@ def test_bad_arguments_are_rejected(capsys):
   for args in (["--beams", "4"], ["--beams", "4x1"], ["--beams", "1x4+x"], ["--beams", "1x4+9"],
                ["--beams", "1x4+3/3"], ["--beams", "1x4+3/8"], ["--beams", "1x4/x"],
                ["--main-beams", "2x"], ["--temperatures", "0"], ["--per-category", "0"],
-               ["--batch-sizes", "a"]):
+               ["--batch-sizes", "a"], ["--cache-size", "0"]):
     with pytest.raises(SystemExit) as e:
       suite.parse_args(args)
     assert e.value.code == 2

@@ -26,8 +26,14 @@ def cli(capsys, *argv):
   return rc, out, err
 
 
-def expected_text(folder, prompt, chat=False, **kwargs):
-  model, _ = load_llama(folder)
+def expected_text(folder, prompt, chat=False, param_dtype=None, **kwargs):
+  """What the library generates with the weights ``generate`` loads by default (no drafter:
+  "auto", ``inference.defaults.weights_dtype``)."""
+  import jax.numpy as jnp
+
+  from redrafter_jax.inference.defaults import weights_dtype
+
+  model, _ = load_llama(folder, param_dtype=jnp.dtype(param_dtype or weights_dtype()))
   tok = load_tokenizer(folder)
   ids = encode(tok, prompt, chat=chat)
   stop = stop_token_ids(tok)
@@ -168,3 +174,166 @@ def test_demo_runs_the_shipped_drafter_and_matches_ar(capsys):
   assert "def " in out  # the model's answer is printed
   assert re.search(r"AR [0-9.]+ tok/s \| ReDrafter [0-9.]+ tok/s, [0-9.]+ tokens/step", out)
   assert "ReDrafter output identical to AR greedy: yes" in out
+
+
+# ----------------------------------------------------------------------------- defaults that pay
+
+
+@pytest.fixture
+def used(monkeypatch):
+  """What ``generate`` really ran: every ``DecodeConfig`` a ReDrafter was built with and every
+  weight dtype an LLM was loaded in."""
+  from redrafter_jax.inference import decode
+  from redrafter_jax.weights import llama_weights
+
+  seen = {"configs": [], "param_dtypes": []}
+
+  class Recording(decode.ReDrafter):
+    def __init__(self, llm, drafter, cfg, *a, **kw):
+      seen["configs"].append(cfg)
+      super().__init__(llm, drafter, cfg, *a, **kw)
+
+  load = llama_weights.load_llama
+
+  def recording_load(*a, **kw):
+    seen["param_dtypes"].append(str(kw.get("param_dtype")))
+    return load(*a, **kw)
+
+  monkeypatch.setattr(decode, "ReDrafter", Recording)
+  monkeypatch.setattr(llama_weights, "load_llama", recording_load)
+  return seen
+
+
+@pytest.fixture(scope="module")
+def recorded_drafter(drafter_folder, tmp_path_factory):
+  """The random drafter with a decode.json that records a tree, a vocabulary and weights."""
+  import json
+  import shutil
+
+  folder = tmp_path_factory.mktemp("recorded") / "d"
+  shutil.copytree(drafter_folder, folder)
+  (folder / "decode.json").write_text(json.dumps(dict(
+      beam_width=2, beam_length=3, lookup_ngram=2, token_budget=4, draft_vocab_size=64,
+      param_dtype="bfloat16")))
+  return folder
+
+
+def settings_line(err):
+  return next(line for line in err.splitlines() if line.startswith("settings: "))
+
+
+def test_drafter_recorded_settings_are_the_defaults(folder, recorded_drafter, used, capsys):
+  rc, out, err = cli(capsys, "--model", folder, "--prompt", "w1 w2 w3", "--max-new-tokens", 10,
+                     "--runs", 1, "--drafter", recorded_drafter)
+  assert rc == 0, err
+  (cfg,) = used["configs"]
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.num_tree_tokens,
+          cfg.draft_vocab_size) == (2, 3, 2, 4, 64)
+  assert used["param_dtypes"] == ["bfloat16"]
+  assert settings_line(err) == ("settings: float32 activations, bfloat16 weights; ReDrafter "
+                                "W=2 L=3 lookup=2 N=4 draft vocab=64 (tree: the drafter's "
+                                "decode.json)")
+  assert err.strip().splitlines()[-1].startswith("redrafter W=2 L=3 + lookup 2:")
+  assert out.strip() == expected_text(folder, "w1 w2 w3", max_new_tokens=10,
+                                      param_dtype="bfloat16")  # greedy ReDrafter = AR
+
+
+def test_flags_override_the_recorded_settings(folder, recorded_drafter, used, capsys):
+  from redrafter_jax.config import DecodeConfig
+
+  rc, _, err = cli(capsys, "--model", folder, "--prompt", "w1 w2", "--max-new-tokens", 6,
+                   "--runs", 1, "--drafter", recorded_drafter, "--beam-width", 3,
+                   "--draft-vocab", 0, "--param-dtype", "float32")
+  assert rc == 0, err
+  (cfg,) = used["configs"]
+  # W given: the recorded L and lookup stay, the recorded budget (of the recorded tree) goes.
+  whole = DecodeConfig(beam_width=3, beam_length=3, lookup_ngram=2).num_tree_tokens
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.num_tree_tokens,
+          cfg.draft_vocab_size) == (3, 3, 2, whole, 0)
+  assert used["param_dtypes"] == ["float32"]
+  assert "(tree: given)" in settings_line(err)
+
+
+def test_without_decode_json_the_library_defaults_apply(folder, drafter_folder, used, capsys):
+  from redrafter_jax.inference.defaults import weights_dtype
+
+  rc, _, err = cli(capsys, "--model", folder, "--prompt", "w1", "--max-new-tokens", 4,
+                   "--runs", 1, "--drafter", drafter_folder)
+  assert rc == 0, err
+  (cfg,) = used["configs"]
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.draft_vocab_size) == (4, 5, 0, 0)
+  assert "(tree: the library's default)" in settings_line(err)
+  # a drafter that records no weights: param_dtype_for's float32, as the server loads it
+  assert used["param_dtypes"] == [weights_dtype(drafter_folder)] == ["float32"]
+
+
+def test_param_dtype_auto_is_the_platforms_choice(folder, used, capsys):
+  from redrafter_jax.models.linear import preferred_param_dtype
+
+  rc, out, err = cli(capsys, "--model", folder, "--prompt", "w1 w2", "--max-new-tokens", 6,
+                     "--runs", 1, "--param-dtype", "auto")
+  assert rc == 0, err
+  want = preferred_param_dtype()
+  assert used["param_dtypes"] == [want]
+  assert settings_line(err) == f"settings: float32 activations, {want} weights; AR"
+  assert out.strip() == expected_text(folder, "w1 w2", max_new_tokens=6, param_dtype=want)
+
+
+def test_compare_ar_prints_both_speeds_and_identical(folder, recorded_drafter, capsys):
+  rc, out, err = cli(capsys, "--model", folder, "--prompt", "w4 w5 w6", "--max-new-tokens", 12,
+                     "--drafter", recorded_drafter, "--compare-ar")
+  assert rc == 0, err
+  assert out.strip() == expected_text(folder, "w4 w5 w6", max_new_tokens=12,
+                                      param_dtype="bfloat16")
+  lines = err.strip().splitlines()
+  assert lines[-3].startswith("ar: ") and lines[-2].startswith("redrafter W=2 L=3 + lookup 2: ")
+  m = re.fullmatch(r"compare \(steady state\): AR ([\d.]+) tok/s, ReDrafter ([\d.]+) tok/s = "
+                   r"([\d.]+)x AR \| tokens identical", lines[-1])
+  assert m, lines[-1]
+  ar, rd, ratio = map(float, m.groups())
+  assert ratio == pytest.approx(rd / ar, abs=0.02)
+
+
+def test_compare_ar_says_when_sampled_tokens_differ():
+  from redrafter_jax.commands.generate import Generation, comparison_line
+
+  ar = (Generation(tokens=[1, 2, 3], stopped=False, forwards=3), [1.0])
+  rd = (Generation(tokens=[1, 2, 4], stopped=False, forwards=2), [0.5])
+  assert comparison_line(ar, rd, greedy=True) == (
+      "compare (first call, incl. compile): AR 3.0 tok/s, ReDrafter 6.0 tok/s = 2.00x AR | "
+      "tokens DIFFERENT")
+  assert "tokens different (sampling" in comparison_line(ar, rd, greedy=False)
+
+
+def test_compare_ar_needs_a_drafter(folder, capsys):
+  rc, out, err = cli(capsys, "--model", folder, "--prompt", "w1", "--compare-ar")
+  assert rc == 2 and out == ""
+  assert err.strip() == "error: --compare-ar needs --drafter (e.g. --drafter shipped)"
+
+
+def test_every_command_help_shows_its_defaults(capsys):
+  """Each option with a default says it in ``--help`` (argparse's %(default)s or a text)."""
+  import argparse
+
+  from redrafter_jax import cli as cli_module
+
+  missing = []
+  for name, module in cli_module._available().items():
+    if isinstance(module, cli_module.Unavailable):
+      continue
+    p = argparse.ArgumentParser(prog=name)
+    module.add_arguments(p)
+    for a in p._actions:
+      d = a.default
+      if (not a.option_strings or isinstance(a, argparse._HelpAction) or d is None or d is False
+          or (isinstance(d, (list, tuple, str)) and not d)):
+        continue
+      if "default" not in (p._get_formatter()._expand_help(a) if a.help else ""):
+        missing.append(f"{name} {a.option_strings[0]}")
+  assert missing == []
+  with pytest.raises(SystemExit):
+    main(["generate", "--help"])
+  help_text = " ".join(capsys.readouterr().out.split())
+  assert "tokens to generate at most (default: 128)" in help_text
+  assert "(default: recorded)" in help_text and "auto}" in help_text  # --param-dtype auto
+

@@ -140,8 +140,8 @@ def test_tokenizer_must_fit_the_model(prompts_file, tmp_path):
 @pytest.mark.slow
 def test_real_model_greedy_records(smollm2, tmp_path):
   llm, _, tok = smollm2
-  path = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / \
-      "train_prompts.jsonl"
+  path = pathlib.Path(__file__).resolve().parents[1] / "data" / "sources" / \
+      "train_prompts.jsonl.gz"
   distill.distill(llm, tok, path, tmp_path / "d", model_name="smollm2-135m", limit=2,
                   max_new_tokens=16, batch_size=2, sampled_fraction=0.0, progress=False)
   records = data.read_records(tmp_path / "d")

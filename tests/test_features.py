@@ -57,11 +57,11 @@ def test_loss_and_gradients_equal_the_inline_forward(made):
   from flax import nnx
 
   graphdef, state = nnx.split(llm)
-  spec = (graphdef, drafter_of, vocab_ids_R, 3, 16, True, 1.0)
+  spec = trainer.LossSpec(graphdef, drafter_of, vocab_ids_R, 3, 16, True, 1.0)
   inline = {k: jnp.asarray(v) for k, v in batch.items() if k != "hidden"}
-  (l1, m1), g1 = jax.value_and_grad(trainer._batch_loss(*spec, state, inline), has_aux=True)(params)
+  (l1, m1), g1 = jax.value_and_grad(trainer._batch_loss(spec, state, inline), has_aux=True)(params)
   (l2, m2), g2 = jax.value_and_grad(
-      trainer._batch_loss(*spec, state, {k: jnp.asarray(v) for k, v in batch.items()}),
+      trainer._batch_loss(spec, state, {k: jnp.asarray(v) for k, v in batch.items()}),
       has_aux=True)(params)
   assert float(l1) > 0
   np.testing.assert_allclose(l2, l1, rtol=1e-5)
@@ -70,7 +70,7 @@ def test_loss_and_gradients_equal_the_inline_forward(made):
   np.testing.assert_array_equal(m1["count_n"], m2["count_n"])
   # The states are what the loss reads: other states, another loss.
   moved = dict(batch, hidden=batch["hidden"] * 2)
-  l3, _ = trainer._batch_loss(*spec, state, {k: jnp.asarray(v) for k, v in moved.items()})(params)
+  l3, _ = trainer._batch_loss(spec, state, {k: jnp.asarray(v) for k, v in moved.items()})(params)
   assert abs(float(l3) - float(l1)) > 1e-3
 
 

@@ -98,3 +98,29 @@ def test_gzipped_prompt_files_are_reproducible_and_read_back(data_dir, tmp_path)
   back = distill.read_prompts(a)
   assert [(p.id, p.category, p.text) for p in back] == [(r.id, r.category, r.prompt)
                                                          for r in rows]
+
+
+def test_gzipped_sources_give_the_same_mix(data_dir, tmp_path):
+  import gzip
+
+  gz = tmp_path / "gz"
+  gz.mkdir()
+  for f in data_dir.iterdir():
+    (gz / f"{f.name}.gz").write_bytes(gzip.compress(f.read_bytes(), mtime=0))
+  assert prompt_mix.build_mix(gz, seed=3) == prompt_mix.build_mix(data_dir, seed=3)
+  (gz / "qa_prompts.jsonl.gz").unlink()
+  with pytest.raises(DataError, match="no qa_prompts.jsonl or qa_prompts.jsonl.gz"):
+    prompt_mix.build_mix(gz)
+
+
+def test_the_committed_mix_is_rebuilt_byte_for_byte_from_the_checkout(tmp_path, capsys):
+  """data/README.md's command, on the sources the repository carries (data/sources, the default
+  --data), writes exactly the committed data/prompts/mix-v1.jsonl.gz and seeds-v1.jsonl.gz."""
+  root = prompt_mix.SOURCES.parent
+  mix, seeds = tmp_path / "mix.jsonl.gz", tmp_path / "seeds.jsonl.gz"
+  assert cli.main(["prompt-mix", "--out", str(mix), "--seeds-out", str(seeds),
+                   "--num-seeds", "6000", "--max-per-category", "2000",
+                   "--exclude", str(root / "spec_bench.jsonl.gz")]) == 0
+  assert "12889 prompts" in capsys.readouterr().out
+  assert mix.read_bytes() == (root / "prompts" / "mix-v1.jsonl.gz").read_bytes()
+  assert seeds.read_bytes() == (root / "prompts" / "seeds-v1.jsonl.gz").read_bytes()

@@ -175,8 +175,22 @@ class DrafterConfig:
   # The reference subtracts the row max and keeps only the top-k logits before log_softmax
   # (k=50, others set to -5e4). None disables the cut (the exact distribution).
   logit_top_k: int | None = None
+  # The LLM layers (0-based decoder-layer indices, low to high) whose outputs, each put through
+  # the LLM's final norm, are concatenated and projected to D by ``feature_proj`` to make the
+  # drafter's context vector (EAGLE-3's multi-layer features). Empty: the last hidden state
+  # only (the reference drafter). A drafter with layers needs the "redrafter-jax" format.
+  feature_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
+    layers = self.feature_layers
+    if isinstance(layers, list):
+      object.__setattr__(self, "feature_layers", tuple(layers))
+      layers = self.feature_layers
+    if (not isinstance(layers, tuple)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+        or len(set(layers)) != len(layers)):
+      raise ConfigError(f"drafter.feature_layers must be distinct layer indices >= 0, got "
+                        f"{layers!r}")
     if self.exit_dim is None:
       object.__setattr__(self, "exit_dim", 2 * self.hidden_size)
     for name in ("vocab_size", "hidden_size", "exit_dim"):
@@ -190,6 +204,11 @@ class DrafterConfig:
   def has_input_proj(self) -> bool:
     return self.exit_dim != 2 * self.hidden_size
 
+  @property
+  def context_width(self) -> int:
+    """Width of the LLM context the drafter reads per token: D, or D per feature layer."""
+    return self.hidden_size * max(1, len(self.feature_layers))
+
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> "DrafterConfig":
     data = dict(data)
@@ -199,7 +218,11 @@ class DrafterConfig:
     return _from_dict(cls, data, "drafter config")
 
   def to_dict(self) -> dict[str, Any]:
-    return dict(model_type="recurrent_drafting_drafter", **dataclasses.asdict(self))
+    out = dict(model_type="recurrent_drafting_drafter", **dataclasses.asdict(self))
+    out["feature_layers"] = list(self.feature_layers)
+    if not self.feature_layers:  # the reference's config.json has no such key
+      del out["feature_layers"]
+    return out
 
 
 ACCEPTANCE_RULES = ("greedy", "exact", "typical", "reference")
@@ -350,8 +373,27 @@ class TrainConfig:
   # Draft step i (1..n) weighs decay**(i-1) in the loss (Medusa weighs later heads less: a
   # later step only counts when every earlier one was accepted). 1.0 is the reference's sum.
   step_weight_decay: float = 1.0
+  # Training-time test: the share of positions (drawn per position and step) whose draft step
+  # i > 1 reads the drafter's own argmax at step i-1 instead of the data token, as beam search
+  # does at decode time; the target stays the data token. 0.0 is pure teacher forcing.
+  self_feed: float = 0.0
+  # HASS-style ranking loss: the Plackett-Luce log-likelihood of the LLM's own top-k tokens, in
+  # the LLM's order, under the drafter's logits (it rewards ranking the LLM's runners-up the
+  # way the LLM does, which is what beam search's W children need), added to the loss with
+  # weight ``rank_loss_weight``. 0 turns it off.
+  rank_loss_weight: float = 0.0
+  rank_top_k: int = 8
 
   def __post_init__(self):
+    for name in ("self_feed", "rank_loss_weight"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+          name == "self_feed" and value > 1):
+        limit = "[0, 1]" if name == "self_feed" else ">= 0"
+        raise ConfigError(f"train.{name} must be a number in {limit}, got {value!r}")
+    if not isinstance(self.rank_top_k, int) or isinstance(self.rank_top_k, bool) or (
+        self.rank_top_k < 1):
+      raise ConfigError(f"train.rank_top_k must be an integer >= 1, got {self.rank_top_k!r}")
     if (not isinstance(self.step_weight_decay, (int, float)) or isinstance(self.step_weight_decay, bool)
         or not 0.0 < self.step_weight_decay <= 1.0):
       raise ConfigError(f"train.step_weight_decay must be in (0, 1], got {self.step_weight_decay!r}")
@@ -407,7 +449,7 @@ class Preset:
     if isinstance(self.train, Mapping):
       object.__setattr__(self, "train", TrainConfig.from_dict(self.train))
     if self.drafter is not None:
-      allowed = {"exit_dim", "num_draft_layers", "rnn", "logit_top_k"}
+      allowed = {"exit_dim", "num_draft_layers", "rnn", "logit_top_k", "feature_layers"}
       unknown = sorted(set(self.drafter) - allowed)
       if unknown:
         raise ConfigError(f"drafter: unknown key(s) {unknown}; valid keys: {sorted(allowed)}")

@@ -2,8 +2,9 @@
 
 A helper of ``suite`` (the leading underscore keeps it out of the benchmark list). Timing is of
 whole calls; a call during which JAX compiled anything is timed again, so compile time never
-counts. Each prompt gets a static cache size (its need rounded up to ``CACHE_MULTIPLE`` slots)
-shared by all our methods, which keeps the number of compiled programs small.
+counts. Each prompt gets a static cache size (its need rounded up to ``CACHE_MULTIPLE`` slots,
+or the one ``--cache-size`` for every prompt) shared by all our methods, which keeps the number
+of compiled programs small.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ import platform
 
 from redrafter_jax.bench._compiles import programs_compiled
 from redrafter_jax.bench.ar import clock, load_average, load_hf
+from redrafter_jax.errors import UserError
 
 CACHE_MULTIPLE = 512
+
+
+class RunnerError(UserError, ValueError):
+  """Settings the runner cannot use (a ``--cache-size`` past the model's context)."""
 
 
 def timed(fn, tries: int = 3):
@@ -47,6 +53,10 @@ class Runner:
     self._redrafters = {}
     self.scratch = max(b.length + b.config().num_tree_tokens for b in o.beams + [o.main_beams])
     self.forwards = [0]
+    self.multiple = getattr(o, "prompt_multiple", 64)  # padded prompt lengths (prefill programs)
+    fixed = o.cache_size
+    if fixed is not None and not 1 <= fixed <= self.limit:
+      raise RunnerError(f"--cache-size {fixed} is outside 1..{self.limit} (the model's context)")
     for model in (hf, hf_bf16):
       if model is None:
         continue
@@ -55,11 +65,28 @@ class Runner:
       for lookup in (0, o.prompt_lookup_tokens):  # warm-up
         self._transformers(model, [self.stops[0]] * 8, lookup, 4)
 
+  @property
+  def limit(self) -> int:
+    """The model's context: the most cache slots a row may have."""
+    return self.llm.config.max_position_embeddings
+
+  def need(self, prompt_len: int) -> int:
+    """Cache slots a prompt needs: itself, the new tokens and one forward's scratch, and at
+    least its padded length (the prefill writes every padded position)."""
+    from redrafter_jax.inference.runtime import pack_prompts
+
+    padded = pack_prompts([[0] * prompt_len], multiple=self.multiple)[0].shape[1]
+    return max(prompt_len + self.o.max_new_tokens + self.scratch, padded)
+
   def cache_size(self, prompt_len: int) -> int | None:
-    """Static cache slots for a prompt (None: it does not fit the model's context)."""
-    need = prompt_len + self.o.max_new_tokens + self.scratch
-    limit = self.llm.config.max_position_embeddings
-    return None if need > limit else min(-(-need // CACHE_MULTIPLE) * CACHE_MULTIPLE, limit)
+    """Static cache slots for a prompt: ``o.cache_size`` when set (one size for every method,
+    prompt and batch: one compiled program per method), else its need rounded up to
+    ``CACHE_MULTIPLE``. None: it does not fit (that size, or the model's context)."""
+    need, fixed = self.need(prompt_len), self.o.cache_size
+    if fixed is not None:
+      return fixed if need <= fixed else None
+    return None if need > self.limit else min(-(-need // CACHE_MULTIPLE) * CACHE_MULTIPLE,
+                                              self.limit)
 
   def measure(self, m, prompts: list[list[int]], cache_size: int, seed: int, *,
               batch: bool = False) -> dict:
@@ -90,13 +117,15 @@ class Runner:
     if m.kind == "ar":
       llm = self.llm_fp32 if m.param_dtype == "float32" else self.llm
       r = generate(llm, prompts, max_new_tokens=o.max_new_tokens, temperature=m.temperature,
-                   seed=seed, stop_ids=self.stops, cache_size=cache_size)
+                   seed=seed, stop_ids=self.stops, cache_size=cache_size,
+                   prompt_multiple=self.multiple)
       return r.tokens, dict(steps=r.steps, tokens_per_step=1.0)
     if m.kind == "redrafter":
       cfg = m.beams.config(max_new_tokens=o.max_new_tokens, draft_vocab_size=o.draft_vocab,
                            acceptance=m.acceptance)
       r = self.redrafter(cfg)(prompts, seed=seed, stop_ids=self.stops,
-                              temperature=m.temperature, cache_size=cache_size)
+                              temperature=m.temperature, cache_size=cache_size,
+                              prompt_multiple=self.multiple)
       s = r.metrics
       return r.tokens, dict(steps=s["steps"], tokens_per_step=s["tokens_per_step"],
                             accepted_histogram=s["accepted_length_histogram"],

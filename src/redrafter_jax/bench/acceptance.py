@@ -14,7 +14,7 @@ t+1..t+i, target t+i+1, as in training). Reported per category and drafter:
 Being free of timing noise and batch effects, it compares drafters (``--drafter`` repeated)
 exactly and in minutes on a CPU::
 
-  python -m redrafter_jax.bench acceptance --prompts ../shared/data/spec_bench.jsonl \\
+  python -m redrafter_jax.bench acceptance --prompts data/spec_bench.jsonl.gz \\
       --drafter runs/drafter_v1 --drafter shipped --per-category 10 --answers runs/answers.jsonl
 
 Generating the answers is most of the time; ``--answers`` keeps them in a JSONL file keyed by

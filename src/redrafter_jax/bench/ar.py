@@ -23,7 +23,7 @@ import sys
 import time
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
-DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "data" / "spec_bench.jsonl"
+DEFAULT_PROMPTS = REPO_ROOT / "data" / "spec_bench.jsonl.gz"
 
 
 def parse_args(argv):

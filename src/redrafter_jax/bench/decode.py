@@ -11,8 +11,6 @@ storing the LLM's projections (``models.linear``), interleaved prompt by prompt.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import time
 
 import jax
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redrafter_jax.bench._common import draft_vocab_arg, load_drafter_arg
+from redrafter_jax.bench.ar import DEFAULT_PROMPTS
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.ar import generate
@@ -30,12 +29,12 @@ from redrafter_jax.models import linear
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
 from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
-DEFAULT_PROMPTS = pathlib.Path(__file__).resolve().parents[3].parent / "shared/data/spec_bench.jsonl"
-
 
 def load_prompts(path, tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
   """``n`` prompts spread evenly over the file (so over its categories), chat-templated."""
-  rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+  from redrafter_jax.jsonl import read_jsonl
+
+  rows = [row for _, row in read_jsonl(path, "prompt", what="prompts file")]
   ids = [encode(tok, r["prompt"], chat=True) for r in rows]
   ids = [p for p in ids if len(p) <= max_prompt_tokens]
   step = max(1, len(ids) // n)

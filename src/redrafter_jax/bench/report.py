@@ -7,7 +7,10 @@ measurements taken on the same prompts; nothing is typed in, so an unmet goal si
 JSON layout: ``settings`` (what measurements depend on; a resumed run must match), ``sessions``
 (environment of each run), ``methods`` (key -> description), ``prompts`` (id -> category, prompt
 tokens, cache size), ``runs`` (prompt id -> method key -> measurement), ``step_split`` (method
-key -> ms of draft / verify / accept+commit), ``batch`` (batch size -> method key -> measurement).
+key -> ms of draft / verify / accept+commit), ``batch`` (batch size -> method key -> measurement),
+``divergence`` (``controls``: prompt id -> control key -> the AR control's output; ``gaps``:
+prompt id -> method or control key -> the float32 logit gap where it parts from our AR greedy;
+see ``bench.divergence``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class Store:
                            "(old, new): pass another --out")
     else:
       self.data = dict(schema=SCHEMA, settings=settings, sessions=[], methods={}, prompts={},
-                       runs={}, step_split={}, batch={})
+                       runs={}, step_split={}, batch={}, divergence=dict(controls={}, gaps={}))
 
   def has(self, section: str, *keys) -> bool:
     node = self.data[section]
@@ -189,6 +192,28 @@ def category_table(data: dict) -> list[str]:
        "prompt lookup tok/step", "ReDrafter / prompt lookup tok/s"], rows)
 
 
+def divergence_section(data: dict) -> list[str]:
+  """Where each greedy ReDrafter and the two AR controls part from our AR greedy, with the
+  float32 gaps the JSON holds (``bench.divergence.report``); older folders without controls
+  count 0/0 for them."""
+  from redrafter_jax.bench import divergence
+
+  methods = data["methods"]
+  trees = [(k, methods[k]["label"]) for k in
+           with_runs(data, lambda m: m["kind"] == "redrafter" and m["temperature"] == 0)]
+  section = data.get("divergence") or {}
+  controls = section.get("controls") or {}
+  keep = {GREEDY_AR} | {k for k, _ in trees}
+  runs = {pid: {**{k: r for k, r in recs.items() if k in keep}, **controls.get(pid, {})}
+          for pid, recs in data["runs"].items()}
+  return ["The first new-token index where each greedy run's output parts from our AR greedy "
+          "(batch 1). Gap: the same weights with float32 activations on the prompt + the common "
+          "prefix, logit[our AR's token] - logit[the other's] (small: a near-tie, either token is "
+          "the model's). The controls run our AR against itself at batch 4 and at another cache "
+          "size: the model's own noise under a change of shape.", ""] + divergence.report(
+              runs, trees, section.get("gaps") or {}, data["prompts"], GREEDY_AR)
+
+
 def split_table(data: dict) -> list[str]:
   rows = [[data["methods"][k]["label"], str(s["tree_tokens"]), fmt(s["draft_ms"]),
            fmt(s["verify_ms"]), fmt(s["accept_commit_ms"]),
@@ -267,6 +292,7 @@ distribution differs from the model's."""
 def render(data: dict, plots: list[str]) -> str:
   lines = header(data)
   lines += ["## Greedy", ""] + greedy_table(data)
+  lines += ["## Greedy divergence from our AR", ""] + divergence_section(data)
   lines += ["## Sampling", ""] + sampling_table(data)
   lines += ["## Per category (greedy)", ""] + category_table(data)
   if data["step_split"]:

@@ -18,10 +18,15 @@ chat-templated. Every method stops at the model's stop tokens or after ``--max-n
 tokens/s is new tokens over the wall time of the whole call (prefill included). A call during
 which JAX compiled anything is timed again, so compilation never counts. Each prompt gets one
 static cache size (its need rounded up to 512 slots) shared by all our methods, which keeps
-recompilation rare.
-Then, per greedy setting: the draft / verify / accept+commit split of one step
-(``bench.decode.step_split``); and with ``--batch-sizes`` (default with ``--gpu``) our AR and
-ReDrafter at batch sizes 1..16 (per-request and total tokens/s).
+recompilation rare; ``--cache-size N`` gives every method, prompt and batch the one size N (one
+compiled program per method and padded prompt length, prompts being padded to a multiple of 64
+tokens; a prompt that does not fit N is skipped).
+Then the greedy-divergence controls (``bench.divergence``): per prompt, our AR greedy at batch 4
+and at another cache size, untimed, and the float32 model's logit gap wherever a greedy
+ReDrafter or a control parts from our AR greedy. Then, per greedy setting: the draft / verify /
+accept+commit split of one step (``bench.decode.step_split``); and with ``--batch-sizes``
+(default with ``--gpu``) our AR and ReDrafter at batch sizes 1..16 (per-request and total
+tokens/s).
 
 Output: ``<out>/<machine>/<date>/`` (``-quick`` appended for ``--quick``; an ``--out`` folder that
 already holds ``measurements.json`` is used as is): ``measurements.json`` (every measurement;
@@ -130,6 +135,12 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--batch-sizes", help=f"batch sweep, e.g. 1,2,4 (default: none; "
                  f"{GPU['batch_sizes']} with --gpu)")
   p.add_argument("--split-repeat", type=int, help="timed repeats of each step part")
+  p.add_argument("--cache-size", type=int, default=None,
+                 help="one static cache size for every method, prompt and batch (default: each "
+                 "prompt's need rounded up to 512); prompts that do not fit are skipped")
+  p.add_argument("--prompt-multiple", type=int, default=64,
+                 help="pad prompts to a multiple of this many tokens: each padded length is its "
+                 "own prefill program, so a larger multiple compiles fewer (default %(default)s)")
   p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
   p.add_argument("--quick", action="store_true", help="~2-minute smoke run")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), help="the LLM's activations and "
@@ -170,6 +181,10 @@ def parse_args(argv) -> argparse.Namespace:
                "torch_threads"):
     if getattr(o, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+  if o.cache_size is not None and o.cache_size < 1:
+    p.error(f"--cache-size must be >= 1, got {o.cache_size}")
+  if o.prompt_multiple < 1:
+    p.error(f"--prompt-multiple must be >= 1, got {o.prompt_multiple}")
   if o.skip_per_category < 0:
     p.error(f"--skip-per-category must be >= 0, got {o.skip_per_category}")
   if any(b < 1 for b in o.batch_sizes):
@@ -268,7 +283,10 @@ def settings_of(o) -> dict:
               dtype=o.dtype, param_dtype=o.param_dtype, attention=o.attention,
               max_new_tokens=o.max_new_tokens, draft_vocab=o.draft_vocab,
               prompt_lookup_tokens=o.prompt_lookup_tokens, seed=o.seed,
-              torch_threads=None if o.no_transformers or o.gpu else o.torch_threads)
+              torch_threads=None if o.no_transformers or o.gpu else o.torch_threads,
+              # only when set, so folders from before the option still resume
+              **({"cache_size": o.cache_size} if o.cache_size is not None else {}),
+              **({"prompt_multiple": o.prompt_multiple} if o.prompt_multiple != 64 else {}))
 
 
 def run(o) -> pathlib.Path:
@@ -298,7 +316,9 @@ def run(o) -> pathlib.Path:
     ids = encode(tok, row["prompt"], chat=True)
     size = runner.cache_size(len(ids))
     if size is None:
-      print(f"skipping prompt {row['id']}: {len(ids)} tokens do not fit the context",
+      where = (f"--cache-size {o.cache_size} ({runner.need(len(ids))} slots needed)"
+               if o.cache_size is not None else "the context")
+      print(f"skipping prompt {row['id']}: {len(ids)} tokens do not fit {where}",
             file=sys.stderr)
       continue
     prompts[str(row["id"])] = (row, ids, size)
@@ -317,7 +337,7 @@ def run(o) -> pathlib.Path:
                                       cache_size=size)
   store.save()
 
-  bar = tqdm(total=len(prompts) * len(methods) + len(greedy)
+  bar = tqdm(total=len(prompts) * (len(methods) + 1) + len(greedy)
              + len(o.batch_sizes) * len(batch_methods), disable=o.no_progress, unit="run")
   for pid, (row, ids, size) in prompts.items():
     seed = o.seed + zlib.crc32(pid.encode()) % 2**30
@@ -327,6 +347,7 @@ def run(o) -> pathlib.Path:
         rec = runner.measure(m, [ids], size, seed)
         store.put("runs", pid, m.key, value=dict(category=row["category"], **rec))
       bar.update()
+  divergence_step(o, runner, store, prompts, greedy, tok, bar)
   first = next(iter(prompts.values()))[1]
   for m in greedy:
     bar.set_description(f"step split {m.key}")
@@ -342,6 +363,32 @@ def run(o) -> pathlib.Path:
   store.save()
   report.write(folder)
   return folder
+
+
+def divergence_step(o, runner: Runner, store, prompts: dict, greedy: list[Method], tok,
+                    bar) -> None:
+  """What results.md's divergence section needs beyond the runs: per prompt, our AR greedy at
+  batch 4 and at another cache size (``divergence.run_controls``), then the float32 model's
+  logit gap at every divergence of a greedy ReDrafter or a control from our AR greedy (the
+  float32 model loaded only when a gap is missing)."""
+  from redrafter_jax.bench import divergence as div
+
+  section = store.data.setdefault("divergence", dict(controls={}, gaps={}))
+  ids = {pid: p[1] for pid, p in prompts.items()}
+  for pid, (_, _, size) in prompts.items():
+    bar.set_description(f"{pid} divergence controls")
+    if not store.has("divergence", "controls", pid):
+      store.put("divergence", "controls", pid, value=div.run_controls(runner, ids, pid, size))
+    bar.update()
+  keys = [m.key for m in greedy] + list(div.CONTROLS)
+  runs = {pid: {**{k: r for k, r in store.data["runs"].get(pid, {}).items()
+                   if k in keys or k == div.REFERENCE}, **section["controls"].get(pid, {})}
+          for pid in prompts}
+  if div.missing_gaps(runs, section["gaps"], keys):
+    bar.set_description("float32 logit gaps")
+    judge = div.judge_model(runner.llm, o.model, o.param_dtype)
+    div.fill_gaps(judge, ids, runs, section["gaps"], keys, decode=lambda t: tok.decode([t]))
+  store.save()
 
 
 def batch_sweep(o, runner: Runner, store, prompts: list[list[int]], methods, bar) -> None:

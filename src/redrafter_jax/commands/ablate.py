@@ -5,6 +5,9 @@ HELP = ("train the variants of an ablation file (one base preset + overrides) on
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("ablation", help="ablation file, e.g. configs/ablations/mix_v1.yaml")
   p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                  help="train only these variants (the table still lists all)")

@@ -3,9 +3,10 @@
 Generates the answer to a few chat prompts twice, with plain AR greedy decoding and with
 ReDrafter greedy decoding, and prints the text, both speeds and the tokens per step. Compilation
 is done (and excluded) first; greedy ReDrafter must print exactly the AR text, and says so.
-The tree (W, L, lookup, N) is the one that predicts the most tokens per second on this device
-(``inference.tree_choice``: the drafter's measured tokens/step per tree over step times taken
-here once and cached), unless one is given or ``--tree recorded`` asks for decode.json's.
+Settings resolve as in ``generate`` and the Python paths (``inference.defaults``), except that
+the tree (W, L, lookup, N) is by default the one that predicts the most tokens per second on this
+device (``inference.tree_choice``: the drafter's measured tokens/step per tree over step times
+taken here once and cached), unless one is given or ``--tree recorded`` asks for decode.json's.
 Both run the same model: by default the LLM's weights in the precision the drafter's settings
 record (``decode.json``; the shipped one's "auto" picks the platform's faster weights,
 ``linear.preferred_param_dtype``), activations in float32.
@@ -28,8 +29,13 @@ PROMPTS = (
 
 
 def add_arguments(p) -> None:
+  from redrafter_jax.commands import show_defaults
+  from redrafter_jax.inference.defaults import TREES
+
+  show_defaults(p)
   p.add_argument("--drafter", default="shipped", help="drafter folder (default: the shipped one)")
-  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--max-new-tokens", type=int, default=128,
+                 help="tokens to generate at most per prompt")
   p.add_argument("--beam-width", type=int, default=None, help="default: the drafter's own")
   p.add_argument("--beam-length", type=int, default=None, help="default: the drafter's own")
   p.add_argument("--lookup-ngram", type=int, default=None,
@@ -37,7 +43,7 @@ def add_arguments(p) -> None:
   p.add_argument("--token-budget", type=int, default=None,
                  help="tree tokens N (default: the drafter's own when W, L and lookup are its "
                  "own too, else the whole tree)")
-  p.add_argument("--tree", choices=("auto", "recorded"), default="auto",
+  p.add_argument("--tree", choices=TREES, default="auto",
                  help="auto: the tree predicted fastest on this device (timed once, cached); "
                  "recorded: the drafter's decode.json tree (either way W/L/lookup/N given "
                  "above win)")
@@ -55,28 +61,28 @@ def run(args) -> int:
   from redrafter_jax.inference import tree_choice
   from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference.decode import ReDrafter
+  from redrafter_jax.inference.defaults import decode_settings, weights_dtype
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter
   from redrafter_jax.weights.llama_weights import load_llama
-  from redrafter_jax.weights.shipped import param_dtype_for, recommended_config, resolve_drafter
+  from redrafter_jax.weights.shipped import resolve_drafter
   from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
   logging.getLogger("jax").setLevel(logging.WARNING)
   path = resolve_drafter(args.drafter)
-  cfg = recommended_config(path, beam_width=args.beam_width, beam_length=args.beam_length,
-                           lookup_ngram=args.lookup_ngram, token_budget=args.token_budget,
-                           max_new_tokens=args.max_new_tokens)
-  param_dtype = param_dtype_for(path, args.param_dtype)
+  flags = dict(beam_width=args.beam_width, beam_length=args.beam_length,
+               lookup_ngram=args.lookup_ngram, token_budget=args.token_budget,
+               max_new_tokens=args.max_new_tokens)
+  decode_settings(path, tree="recorded", **flags)  # bad flags fail before the model loads
+  param_dtype = weights_dtype(path, args.param_dtype)
   llm, _ = load_llama("smollm2-135m", param_dtype=jnp.dtype(param_dtype))
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))
   drafter = load_drafter(path)
-  given = (args.beam_width, args.beam_length, args.lookup_ngram, args.token_budget)
-  if args.tree == "auto" and all(v is None for v in given):
-    choice = tree_choice.tuned(path, llm, drafter, draft_vocab_size=cfg.draft_vocab_size)
-    if choice is not None:
-      print(f"draft trees on this device (batch 1, tokens/step from the drafter's "
-            f"{tree_choice.ACCEPTANCE_FILE}):\n{choice.table()}", flush=True)
-      cfg = choice.config(cfg)
+  resolved = decode_settings(path, tree=args.tree, llm=llm, drafter=drafter, **flags)
+  if resolved.choice is not None:
+    print(f"draft trees on this device (batch 1, tokens/step from the drafter's "
+          f"{tree_choice.ACCEPTANCE_FILE}):\n{resolved.choice.table()}", flush=True)
+  cfg = resolved.config
   # Built once: the models are split and the draft vocabulary restricted here, not per call.
   redrafter = ReDrafter(llm, drafter, cfg)
   stops = stop_token_ids(tok)

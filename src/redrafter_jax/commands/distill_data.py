@@ -6,6 +6,9 @@ HELP = "self-distillation data: the frozen LLM answers training prompts (compres
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--prompts", required=True, help="JSON-lines prompts file ({id, prompt, ...})")
   p.add_argument("--out", required=True, help="output folder (resumed if it exists)")
   p.add_argument("--model", default="smollm2-135m",
@@ -15,8 +18,8 @@ def add_arguments(p):
   p.add_argument("--param-dtype", default=None, choices=["float32", "bfloat16"],
                  help="the LLM's weights (default: --dtype; bfloat16 is the fast CPU setting)")
   p.add_argument("--limit", type=int, default=None, help="use N prompts drawn at random (seeded) from the file")
-  p.add_argument("--max-new-tokens", type=int, default=256)
-  p.add_argument("--batch-size", type=int, default=16)
+  p.add_argument("--max-new-tokens", type=int, default=256, help="answer tokens at most")
+  p.add_argument("--batch-size", type=int, default=16, help="prompts answered together")
   p.add_argument("--sampled-fraction", type=float, default=0.25,
                  help="fraction of prompts also answered by sampling at T=1 (all get greedy)")
   p.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
@@ -24,7 +27,8 @@ def add_arguments(p):
                  help="skip prompts longer than this (after the chat template)")
   p.add_argument("--max-shards", type=int, default=None,
                  help="stop after writing this many new shards (rerun to continue)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the prompt order, the sampled answers and --limit's draw")
 
 
 def run(args) -> int:

@@ -8,6 +8,9 @@ HELP = "export a drafter to the Apple reference, MLX or TensorRT-LLM format"
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--drafter", required=True,
                  help="drafter folder in any supported format (reference, MLX, TensorRT-LLM)")
   p.add_argument("--format", choices=drafter_io.FORMATS, default="mlx",

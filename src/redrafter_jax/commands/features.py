@@ -6,6 +6,9 @@ HELP = "precompute the LLM's hidden states over distillation data (train.feature
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--data", required=True, help="data folder written by distill-data")
   p.add_argument("--out", required=True, help="features folder (resumed if it exists)")
   p.add_argument("--seq-len", type=int, required=True,
@@ -15,6 +18,9 @@ def add_arguments(p):
   p.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                  help="stored precision (float16: half the disk)")
   p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per forward")
+  p.add_argument("--feature-layers", type=int, nargs="+", default=(), metavar="LAYER",
+                 help="also store these decoder layers' states (a drafter's "
+                      "drafter.feature_layers)")
   p.add_argument("--max-shards", type=int, default=None,
                  help="stop after this many new shards (rerun to continue)")
 
@@ -30,7 +36,8 @@ def run(args) -> int:
     llm, _ = base_model.load_base_model(args.model)
     stats = features.write_features(llm, args.data, args.out, model_name=args.model,
                                     seq_len=args.seq_len, dtype=args.dtype,
-                                    batch_tokens=args.batch_tokens, max_shards=args.max_shards)
+                                    batch_tokens=args.batch_tokens, max_shards=args.max_shards,
+                                    feature_layers=tuple(args.feature_layers))
   except DataError as e:
     raise UserError(str(e)) from e
   print(f"{args.out}: wrote {stats['shards']} shard(s), {stats['tokens']} tokens, "

@@ -6,6 +6,9 @@ HELP = "download a known base model (e.g. smollm2-135m) into the local cache"
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("name", choices=sorted(fetch.KNOWN_MODELS), help="model name")
   p.add_argument("--force", action="store_true", help="download again even if cached")
 

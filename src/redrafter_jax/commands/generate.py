@@ -4,6 +4,13 @@ Prints the generated text on stdout and one timing line on stderr. The first cal
 includes JAX's compilation, so by default the same generation runs twice and both timings are
 reported: ``first call`` (compile + run) and ``steady state`` (the fastest of the later, identical
 calls), each as new tokens / wall seconds of the whole call (prefill included).
+
+Settings not given resolve as everywhere else (``inference.defaults``): with ``--drafter``, the
+drafter's recorded tree, draft vocabulary and weight precision (its decode.json; the shipped
+drafter's are the ones measured to pay on a CPU), ``--tree auto`` for the tree predicted fastest
+on this device; "auto" weights otherwise. A flag always wins. ``--compare-ar`` decodes the prompt
+with AR and with ReDrafter on the same loaded model, runs interleaved, and prints both speeds,
+the speed-up and whether the tokens are identical.
 """
 
 from __future__ import annotations
@@ -15,11 +22,15 @@ from typing import Callable
 HELP = "generate text for a prompt with the base model (greedy or sampled) and report tokens/s"
 
 DTYPES = ("float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16", "auto")
 
 
 def add_arguments(p) -> None:
+  from redrafter_jax.commands import show_defaults
+  from redrafter_jax.inference.defaults import TREES
   from redrafter_jax.models.attention import BACKENDS
 
+  show_defaults(p)
   p.add_argument("--prompt", required=True, help="the prompt text")
   p.add_argument("--chat", action="store_true",
                  help="wrap the prompt as a user turn in the model's chat template")
@@ -28,9 +39,10 @@ def add_arguments(p) -> None:
                  help="a known model name (smollm2-135m) or a path to a .gguf file or an HF folder")
   p.add_argument("--dtype", choices=DTYPES, default="float32",
                  help="activations and KV cache")
-  p.add_argument("--param-dtype", choices=DTYPES, default=None,
-                 help="weights (default: --dtype); bfloat16 with float32 activations is the "
-                 "fast CPU setting")
+  p.add_argument("--param-dtype", choices=PARAM_DTYPES, default=None,
+                 help="the LLM's weights; auto: bfloat16 on accelerators and on CPUs with bf16 "
+                 "instructions, else float32 (default: the drafter's recorded setting, auto for "
+                 "the shipped one; without a drafter auto, or bfloat16 with --dtype bfloat16)")
   p.add_argument("--backend", choices=BACKENDS, default="xla", help="attention implementation")
   p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
   p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -40,19 +52,29 @@ def add_arguments(p) -> None:
   p.add_argument("--ignore-eos", action="store_true",
                  help="do not stop at end-of-turn tokens (always max-new-tokens)")
   p.add_argument("--runs", type=int, default=2,
-                 help="identical timed runs; the first includes compilation (default 2)")
+                 help="identical timed runs; the first includes compilation")
   g = p.add_argument_group("ReDrafter (speculative decoding; without --drafter: plain AR)")
   g.add_argument("--drafter", default=None,
                  help="drafter folder (any supported format), or 'shipped' for the trained "
                       "SmolLM2-135M drafter in checkpoints/")
-  g.add_argument("--beam-width", type=int, default=4, help="W: beams drafted per step")
-  g.add_argument("--beam-length", type=int, default=5,
-                 help="L: beam length INCLUDING the LLM's own token (L-1 drafted tokens)")
+  g.add_argument("--compare-ar", action="store_true",
+                 help="also decode with plain AR on the same model (runs interleaved) and print "
+                 "both speeds, the speed-up and whether the tokens are identical")
+  g.add_argument("--tree", choices=TREES, default="recorded",
+                 help="the draft tree when W, L, lookup and N are not given: recorded = the "
+                 "drafter's decode.json (else W=4 L=5); auto = the one predicted fastest on this "
+                 "device (its step times are measured once and cached)")
+  g.add_argument("--beam-width", type=int, default=None,
+                 help="W: beams drafted per step (default: from --tree)")
+  g.add_argument("--beam-length", type=int, default=None,
+                 help="L: beam length INCLUDING the LLM's own token, L-1 drafted tokens "
+                 "(default: from --tree)")
   g.add_argument("--token-budget", type=int, default=None,
-                 help="N: packed tree tokens verified per step (default beams*(L-1)+1)")
-  g.add_argument("--lookup-ngram", type=int, default=0,
+                 help="N: packed tree tokens verified per step (default: the drafter's recorded "
+                 "one with its own tree, else the whole tree W*(L-1)+1)")
+  g.add_argument("--lookup-ngram", type=int, default=None,
                  help="add one beam copied from the context after the latest match of its last "
-                      "1..N tokens (prompt lookup; exact); 0 = off (default)")
+                      "1..N tokens (prompt lookup; exact); 0 = off (default: from --tree)")
   g.add_argument("--draft-vocab", type=int, default=None,
                  help="draft only the R most frequent tokens (default: the drafter's own "
                       "recommendation, else the whole vocabulary)")
@@ -73,32 +95,49 @@ def check_arguments(args) -> None:
     raise UserError(f"--runs must be >= 1, got {args.runs}")
   if args.system is not None and not args.chat:
     raise UserError("--system needs --chat")
+  if args.compare_ar and not args.drafter:
+    raise UserError("--compare-ar needs --drafter (e.g. --drafter shipped)")
   check_sampling(args.temperature, args.top_p, args.top_k)
   if args.drafter:
-    decode_config(args, args.draft_vocab or 0)  # raises ConfigError
+    settings(args, tree="recorded")  # raises ConfigError; a missing drafter, FileNotFoundError
 
 
-def decode_config(args, draft_vocab: int):
-  """The ReDrafter settings the arguments ask for."""
-  from redrafter_jax.config import DecodeConfig
+def settings(args, *, tree: str | None = None, llm=None, drafter=None, log=print):
+  """The ReDrafter settings: the flags given, the rest from the drafter
+  (``inference.defaults.decode_settings``)."""
+  from redrafter_jax.inference.defaults import decode_settings
+  from redrafter_jax.weights.shipped import resolve_drafter
 
-  return DecodeConfig(beam_width=args.beam_width, beam_length=args.beam_length,
-                      max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
-                      lookup_ngram=args.lookup_ngram, draft_vocab_size=draft_vocab,
-                      acceptance=args.acceptance)
+  return decode_settings(resolve_drafter(args.drafter), tree=tree or args.tree,
+                         beam_width=args.beam_width, beam_length=args.beam_length,
+                         lookup_ngram=args.lookup_ngram, token_budget=args.token_budget,
+                         draft_vocab_size=args.draft_vocab, max_new_tokens=args.max_new_tokens,
+                         acceptance=args.acceptance, llm=llm, drafter=drafter, log=log)
 
 
-def load_model(args):
-  """``(model, tokenizer)`` for ``--model`` in ``--dtype`` / ``--param-dtype`` with
-  ``--backend``."""
+def weights_dtype(args) -> str:
+  """The LLM's weight dtype (``inference.defaults.weights_dtype``)."""
+  from redrafter_jax.config import ConfigError
+  from redrafter_jax.inference.defaults import weights_dtype as resolve
+  from redrafter_jax.weights.shipped import resolve_drafter
+
+  try:
+    return resolve(resolve_drafter(args.drafter) if args.drafter else None, args.param_dtype,
+                   dtype=args.dtype)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def load_model(args, param_dtype: str):
+  """``(model, tokenizer)`` for ``--model`` in ``--dtype`` activations, ``param_dtype`` weights,
+  with ``--backend``."""
   import jax.numpy as jnp
 
   from redrafter_jax.weights.llama_weights import load_llama, resolve_source
   from redrafter_jax.weights.tokenizer import load_tokenizer
 
   model, _ = load_llama(args.model, dtype=jnp.dtype(args.dtype),
-                        param_dtype=jnp.dtype(args.param_dtype or args.dtype),
-                        backend=args.backend)
+                        param_dtype=jnp.dtype(param_dtype), backend=args.backend)
   return model, load_tokenizer(resolve_source(args.model))
 
 
@@ -131,15 +170,12 @@ def ar_decoder(model, prompt_ids: list[int], args, stop_ids) -> Callable[[], Gen
   return decode
 
 
-def redrafter_decoder(model, prompt_ids, args, stop_ids) -> Callable[[], Generation]:
-  """ReDrafter decoding of one prompt with the drafter and beam settings of ``args``."""
+def redrafter_decoder(model, drafter, cfg, prompt_ids, args, stop_ids
+                      ) -> Callable[[], Generation]:
+  """ReDrafter decoding of one prompt with ``drafter`` and the settings ``cfg``."""
   from redrafter_jax.inference.decode import ReDrafter
-  from redrafter_jax.weights.drafter_io import load_drafter
-  from redrafter_jax.weights.shipped import draft_vocab_for, resolve_drafter
 
-  path = resolve_drafter(args.drafter)
-  cfg = decode_config(args, draft_vocab_for(path, args.draft_vocab))
-  redrafter = ReDrafter(model, load_drafter(path), cfg)  # every run reuses the split models
+  redrafter = ReDrafter(model, drafter, cfg)  # every run reuses the split models
 
   def decode() -> Generation:
     r = redrafter([prompt_ids], seed=args.seed, stop_ids=stop_ids,
@@ -152,23 +188,28 @@ def redrafter_decoder(model, prompt_ids, args, stop_ids) -> Callable[[], Generat
   return decode
 
 
-def make_decoder(model, prompt_ids, args, stop_ids) -> tuple[str, Callable[[], Generation]]:
-  """(name, zero-argument decode function) for the decoding the arguments ask for."""
-  if args.drafter:
-    name = f"redrafter W={args.beam_width} L={args.beam_length}" + (
-        f" + lookup {args.lookup_ngram}" if args.lookup_ngram else "")
-    return name, redrafter_decoder(model, prompt_ids, args, stop_ids)
-  return "ar", ar_decoder(model, prompt_ids, args, stop_ids)
+def redrafter_name(cfg) -> str:
+  return f"redrafter W={cfg.beam_width} L={cfg.beam_length}" + (
+      f" + lookup {cfg.lookup_ngram}" if cfg.lookup_ngram else "")
 
 
-def timed_runs(decode: Callable[[], Generation], runs: int) -> tuple[Generation, list[float]]:
-  """Run ``decode`` ``runs`` times; the last result and every wall time (seconds)."""
-  seconds = []
+def timed_runs(decoders: dict[str, Callable[[], Generation]], runs: int
+               ) -> dict[str, tuple[Generation, list[float]]]:
+  """Run each decoder ``runs`` times, taking turns (a slow spell of a shared machine slows
+  them alike); per name, the last result and every wall time (seconds)."""
+  seconds = {name: [] for name in decoders}
+  out = {}
   for _ in range(runs):
-    start = time.perf_counter()
-    out = decode()
-    seconds.append(time.perf_counter() - start)
-  return out, seconds
+    for name, decode in decoders.items():
+      start = time.perf_counter()
+      out[name] = decode()
+      seconds[name].append(time.perf_counter() - start)
+  return {name: (out[name], seconds[name]) for name in decoders}
+
+
+def tokens_per_second(out: Generation, seconds: list[float]) -> float:
+  """Steady state (the fastest later run) when there are later runs, else the first call."""
+  return len(out.tokens) / (min(seconds[1:]) if len(seconds) > 1 else seconds[0])
 
 
 def speed_line(name: str, out: Generation, seconds: list[float]) -> str:
@@ -182,6 +223,19 @@ def speed_line(name: str, out: Generation, seconds: list[float]) -> str:
   return " | ".join(parts)
 
 
+def comparison_line(ar: tuple[Generation, list[float]], rd: tuple[Generation, list[float]],
+                    greedy: bool) -> str:
+  """AR against ReDrafter: both speeds, the speed-up and whether the tokens are identical."""
+  ar_tps, rd_tps = tokens_per_second(*ar), tokens_per_second(*rd)
+  when = "steady state" if len(ar[1]) > 1 else "first call, incl. compile"
+  same = ar[0].tokens == rd[0].tokens
+  verdict = "identical" if same else ("DIFFERENT" if greedy else
+                                      "different (sampling: the same distribution, not the "
+                                      "same draws)")
+  return (f"compare ({when}): AR {ar_tps:.1f} tok/s, ReDrafter {rd_tps:.1f} tok/s = "
+          f"{rd_tps / ar_tps:.2f}x AR | tokens {verdict}")
+
+
 def run(args) -> int:
   import logging
   import sys
@@ -189,20 +243,42 @@ def run(args) -> int:
   from redrafter_jax.inference.runtime import GenerateError, cache_size_for
   from redrafter_jax.weights.tokenizer import stop_token_ids
 
+  def note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
   check_arguments(args)
   logging.getLogger("jax").setLevel(logging.WARNING)  # not its INFO notes on absent backends
-  model, tok = load_model(args)
+  param_dtype = weights_dtype(args)
+  model, tok = load_model(args, param_dtype)
   prompt_ids = encode_prompt(tok, args)
   if not prompt_ids:
     raise GenerateError("the prompt encodes to no tokens")
+  stop_ids = () if args.ignore_eos else stop_token_ids(tok)
+  decoders, cfg = {}, None
+  if args.drafter:
+    from redrafter_jax.weights.drafter_io import load_drafter
+    from redrafter_jax.weights.shipped import resolve_drafter
+
+    drafter = load_drafter(resolve_drafter(args.drafter))
+    resolved = settings(args, llm=model, drafter=drafter, log=note)
+    cfg = resolved.config
   # Fails with the numbers when the prompt + new tokens do not fit the model's context.
-  extra = 1 if not args.drafter else args.beam_length + decode_config(args, 0).num_tree_tokens
+  extra = 1 if cfg is None else cfg.beam_length + cfg.num_tree_tokens
   cache_size_for(len(prompt_ids), args.max_new_tokens, extra,
                  model.config.max_position_embeddings)
-  stop_ids = () if args.ignore_eos else stop_token_ids(tok)
-  name, decode = make_decoder(model, prompt_ids, args, stop_ids)
-  out, seconds = timed_runs(decode, args.runs)
-  text_ids = [t for t in out.tokens if t not in stop_ids]
-  print(tok.decode(text_ids, skip_special_tokens=True))
-  print(speed_line(name, out, seconds), file=sys.stderr)
+  note(f"settings: {args.dtype} activations, {param_dtype} weights; "
+       + ("AR" if cfg is None else f"ReDrafter {resolved.describe()}"))
+  if cfg is None or args.compare_ar:
+    decoders["ar"] = ar_decoder(model, prompt_ids, args, stop_ids)
+  if cfg is not None:
+    decoders[redrafter_name(cfg)] = redrafter_decoder(model, drafter, cfg, prompt_ids, args,
+                                                      stop_ids)
+  results = timed_runs(decoders, args.runs)
+  out, _ = results[list(decoders)[-1]]  # ReDrafter's text when it ran, else AR's
+  print(tok.decode([t for t in out.tokens if t not in stop_ids], skip_special_tokens=True))
+  for name, (gen, seconds) in results.items():
+    note(speed_line(name, gen, seconds))
+  if args.compare_ar:
+    note(comparison_line(results["ar"], results[redrafter_name(cfg)],
+                         greedy=args.temperature == 0))
   return 0

@@ -7,6 +7,9 @@ HELP = ("import a drafter (reference, MLX, TensorRT-LLM, lm_heads.* or 0.{i}.* l
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--src", required=True, help="drafter folder (config.json + safetensors)")
   p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
   p.add_argument("--dtype", choices=sorted(drafter_io.DTYPE_ALIASES), default="fp32",

@@ -16,6 +16,9 @@ REPO = pathlib.Path.cwd
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   sub = p.add_subparsers(dest="lease_command", required=True, metavar="ACTION")
   for name, help_ in (("plan", "pack the model and print the device calls"),
                       ("run", "run a profile on the GPU machine (the plan's last call does)"),

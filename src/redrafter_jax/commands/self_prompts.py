@@ -6,6 +6,9 @@ HELP = "the LLM samples user requests (a prompts file for distill-data), Magpie-
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--out", required=True, help="JSON-lines prompts file to write (resumed if it exists)")
   p.add_argument("--num", type=int, required=True, help="requests to collect")
   p.add_argument("--model", default="smollm2-135m",
@@ -14,13 +17,13 @@ def add_arguments(p):
                  help="the LLM's activations")
   p.add_argument("--param-dtype", default=None, choices=["float32", "bfloat16"],
                  help="the LLM's weights (default: --dtype; bfloat16 is the fast CPU setting)")
-  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--batch-size", type=int, default=64, help="requests written together")
   p.add_argument("--max-new-tokens", type=int, default=96,
                  help="longest request; a request that has not ended by then is dropped")
-  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
   p.add_argument("--max-batches", type=int, default=None,
                  help="stop after drawing this many batches (rerun to continue)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="sampling seed")
   p.add_argument("--seeds", default=None,
                  help="JSON-lines file of request openings (prompt-mix --seeds-out): each user "
                       "turn starts with one and the LLM completes it")

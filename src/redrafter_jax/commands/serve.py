@@ -6,11 +6,14 @@ HELP = "serve the model over an OpenAI-compatible HTTP API (ReDrafter, streaming
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--config", required=True, help="YAML preset, e.g. configs/smollm2_135m.yaml")
   p.add_argument("overrides", nargs="*", metavar="section.key=value",
                  help="override preset values, e.g. decode.beam_width=2")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
-  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--port", type=int, default=8000, help="port to listen on")
   drafting = p.add_mutually_exclusive_group()
   drafting.add_argument("--drafter", default=None,
                         help="drafter folder (default: the preset's drafter_path)")

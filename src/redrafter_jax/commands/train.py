@@ -6,6 +6,9 @@ HELP = "train the drafter by distillation from the frozen LLM (resumes from the 
 
 
 def add_arguments(p):
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--config", required=True, help="YAML preset, e.g. configs/smollm2_135m.yaml")
   p.add_argument("overrides", nargs="*", metavar="section.key=value",
                  help="override preset values, e.g. train.num_steps=100 train.batch_size=4")

@@ -18,6 +18,9 @@ HELP = "measure a drafter's tokens/step per tree and pick the tree for this devi
 
 
 def add_arguments(p) -> None:
+  from redrafter_jax.commands import show_defaults
+
+  show_defaults(p)
   p.add_argument("--drafter", default="shipped", help="drafter folder (default: the shipped one)")
   p.add_argument("--model", default="smollm2-135m",
                  help="the base LLM the drafter belongs to (a known name or a path)")
@@ -26,9 +29,9 @@ def add_arguments(p) -> None:
   p.add_argument("--held-out-from", action="append", default=None, metavar="TEACHER_DIR",
                  help="skip prompts whose id has an answer in this teacher data folder "
                  "(repeatable; default: data/teacher/mix-v1 when it exists)")
-  p.add_argument("--num-prompts", type=int, default=48)
-  p.add_argument("--max-new-tokens", type=int, default=96)
-  p.add_argument("--batch-size", type=int, default=8)
+  p.add_argument("--num-prompts", type=int, default=48, help="calibration prompts decoded")
+  p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt")
+  p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
   p.add_argument("--candidates", default=None,
                  help="trees to measure, WxL[+n][/N] comma-separated (default: "
                  "tree_choice.DEFAULT_CANDIDATES, twelve trees from 1x2+3/3 to 4x5+3/16)")

@@ -132,7 +132,8 @@ class Result:
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
              temperature=0.0, top_p=1.0, top_k=0, seed: int = 0, stop_ids: Sequence[int] = (),
-             cache_size: int | None = None, steps_per_check: int = 1) -> Result:
+             cache_size: int | None = None, steps_per_check: int = 1,
+             prompt_multiple: int = 64) -> Result:
   """Plain AR decoding of a batch of token-id prompts: the baseline ReDrafter must reproduce.
 
   Args:
@@ -146,6 +147,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     cache_size: static KV-cache slots per row; None: prompt + ``max_new_tokens``, rounded up.
     steps_per_check: steps per check of the loop's stop predicate (``checked_loop``; as
       ``DecodeConfig.steps_per_check``); the result does not depend on it.
+    prompt_multiple: the padded prompt length is a multiple of it (each padded length compiles
+      its own program).
 
   Returns:
     A ``Result``: each row's new tokens, whether it stopped on a stop token, and the number of
@@ -155,7 +158,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     raise GenerateError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   check_steps_per_check(steps_per_check)
   check_sampling(temperature, top_p, top_k)
-  tokens_BT, lengths_B = pack_prompts(prompts)
+  tokens_BT, lengths_B = pack_prompts(prompts, multiple=prompt_multiple)
   limit = model.config.max_position_embeddings
   size = cache_size or cache_size_for(int(lengths_B.max()), max_new_tokens, 1, limit)
   if size < tokens_BT.shape[1] or size < int(lengths_B.max()) + max_new_tokens:

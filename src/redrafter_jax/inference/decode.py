@@ -38,7 +38,7 @@ from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import sampling
 from redrafter_jax.inference.runtime import (GenerateError, cache_size_for, check_sampling,
                                              checked_loop, keep_unless, pack_prompts)
-from redrafter_jax.inference.step import DecodeState, Metrics, init, step
+from redrafter_jax.inference.step import DecodeState, Metrics, drafter_layers, init, step
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter, restrict_vocab
 from redrafter_jax.models.llama import Llama
@@ -46,12 +46,14 @@ from redrafter_jax.models.llama import Llama
 TRACE_COUNT = {"decode": 0}  # incremented when the loop is traced: one trace per static shape
 
 
-@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered", "greedy"))
+@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered", "greedy",
+                                             "feature_layers"))
 def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *, cfg,
-              cache_size, filtered, greedy):
+              cache_size, filtered, greedy, feature_layers=()):
   return init(nnx.merge(llm_def, llm_state), tokens_BT, lengths_B, params, rng, stop_ids,
               cache_size=cache_size, max_new_tokens=cfg.max_new_tokens,
-              beam_length=cfg.beam_length, filtered=filtered, greedy=greedy)
+              beam_length=cfg.beam_length, filtered=filtered, greedy=greedy,
+              feature_layers=feature_layers)
 
 
 # The loop is its own program: it depends on (B, S, cfg) but not on the prompt length, so prompts
@@ -181,6 +183,10 @@ def check_models(llm: Llama, drafter) -> None:
         f"drafter (hidden_size={dcfg.hidden_size}, vocab_size={dcfg.vocab_size}) does not "
         f"match the LLM (hidden_size={llm.config.hidden_size}, vocab_size="
         f"{llm.config.vocab_size})")
+  layers = drafter_layers(drafter)
+  if any(i >= llm.config.num_layers for i in layers):
+    raise GenerateError(f"drafter reads LLM layers {list(layers)} (feature_layers), but the LLM "
+                        f"has {llm.config.num_layers} layers")
 
 
 class ReDrafter:
@@ -210,10 +216,11 @@ class ReDrafter:
     self.llm_def, self.llm_state = nnx.split(llm)
     self.drafter_def, self.drafter_state = nnx.split(draft_model(drafter, config))
     self.draft_embed = draft_embedding(llm)
+    self.feature_layers = drafter_layers(drafter)
 
   def prepare(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
               stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,
-              cache_size: int | None = None) -> Prepared:
+              cache_size: int | None = None, prompt_multiple: int = 64) -> Prepared:
     """Check the arguments and pack the prompts (host side; raises ``GenerateError``)."""
     cfg = self.config
     temperature = cfg.temperature if temperature is None else temperature
@@ -223,7 +230,7 @@ class ReDrafter:
     if cfg.acceptance == "greedy" and not sampling.all_greedy(temperature):
       raise GenerateError(f"acceptance='greedy' decodes greedily; got temperature {temperature} "
                           "(use acceptance='exact' to sample)")
-    tokens_BT, lengths_B = pack_prompts(prompts)
+    tokens_BT, lengths_B = pack_prompts(prompts, multiple=prompt_multiple)
     extra = cfg.beam_length + cfg.num_tree_tokens
     size = cache_size or cfg.cache_size or cache_size_for(
         int(lengths_B.max()), cfg.max_new_tokens, extra,
@@ -243,7 +250,8 @@ class ReDrafter:
   def start(self, p: Prepared) -> DecodeState:
     """The ``init`` program: prefill the prompts and choose each row's first token."""
     return _init_jit(self.llm_def, self.llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng,
-                     p.stop_ids, cache_size=p.cache_size, **self._static(p))
+                     p.stop_ids, cache_size=p.cache_size, feature_layers=self.feature_layers,
+                     **self._static(p))
 
   def width(self, p: Prepared, state: DecodeState) -> int | None:
     """The context bucket the next steps read (host side: reads the rows' lengths); None when
@@ -273,7 +281,7 @@ class ReDrafter:
 
   def __call__(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
                stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,
-               cache_size: int | None = None) -> DecodeResult:
+               cache_size: int | None = None, prompt_multiple: int = 64) -> DecodeResult:
     """Decode a batch of token-id prompts.
 
     Args:
@@ -284,6 +292,8 @@ class ReDrafter:
         takes ``config``'s. Temperature 0 is greedy.
       cache_size: static KV-cache slots per row; None takes ``config.cache_size``, else the
         prompt + ``max_new_tokens`` + one step's scratch, rounded up.
+      prompt_multiple: the padded prompt length is a multiple of it (each padded length is its
+        own prefill program: a larger multiple compiles fewer, e.g. one cache size's worth).
 
     Returns:
       A ``DecodeResult``: each row's new tokens, whether it stopped on a stop token, the number

@@ -55,15 +55,22 @@ def cache_size_for(prompt_len: int, max_new_tokens: int, extra: int, limit: int,
   return min(round_up(need, multiple), limit)
 
 
-def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache):
-  """Run the prompts; returns logits and hidden at each row's last prompt token, and the cache."""
+def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tuple[int, ...] = ()):
+  """Run the prompts; returns logits and hidden at each row's last prompt token, and the cache.
+  With ``layers`` (a multi-layer drafter's ``feature_layers``) the second output is those
+  layers' states there instead (``Llama.forward_layers``)."""
   B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   valid_BT = positions_BT < lengths_B[:, None]
   mask_BTS = kvc.visible_mask(cache.lengths_B, kvc.causal_mask(valid_BT), cache.size)
+  last = lambda x_BTX: jnp.take_along_axis(x_BTX, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  if layers:
+    hidden_BTD, taps_BTX, cache = model.forward_layers(tokens_BT, positions_BT, mask_BTS, cache,
+                                                       layers=layers)
+    return model.logits(last(hidden_BTD)), last(taps_BTX), kvc.advance(cache, lengths_B)
   hidden_BTD, cache = model.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
   cache = kvc.advance(cache, lengths_B)
-  last_BD = jnp.take_along_axis(hidden_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  last_BD = last(hidden_BTD)
   return model.logits(last_BD), last_BD, cache
 
 

@@ -26,6 +26,7 @@ from redrafter_jax.inference.beam_search import BeamOutput, beam_search
 from redrafter_jax.inference.runtime import Output, empty_output, prefill, record
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.invariant import tree_keys
 from redrafter_jax.models.llama import Llama
 
 
@@ -50,7 +51,9 @@ class Metrics:
 class DecodeState:
   cache: kvc.KVCache
   g0_B: jax.Array  # the LLM's newest token, not yet in the cache (the beams' root)
-  h_BD: jax.Array  # LLM hidden state at the last committed token (the drafter's context)
+  # LLM hidden state at the last committed token (the drafter's context); for a drafter with
+  # ``feature_layers``, the normed states of those layers there, concatenated ([B, k*D]).
+  h_BD: jax.Array
   context_BS: jax.Array  # token at each position: prompt, committed tokens, g0 at cache length
   out: Output
   done_B: jax.Array
@@ -60,11 +63,12 @@ class DecodeState:
 
 def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng, stop_ids, *,
          cache_size: int, max_new_tokens: int, beam_length: int, filtered: bool,
-         greedy: bool = False) -> DecodeState:
-  """Prefill the prompts and choose each row's first token."""
+         greedy: bool = False, feature_layers: tuple[int, ...] = ()) -> DecodeState:
+  """Prefill the prompts and choose each row's first token. ``feature_layers``: the drafter's
+  (``drafter_layers``), whose states the state carries as ``h``."""
   B = tokens_BT.shape[0]
   cache = llm.init_cache(B, cache_size)
-  logits_BV, h_BD, cache = prefill(llm, tokens_BT, lengths_B, cache)
+  logits_BV, h_BD, cache = prefill(llm, tokens_BT, lengths_B, cache, feature_layers)
   rng, key = jax.random.split(rng)
   if greedy:
     g0_B = sampling.greedy_tokens(logits_BV)
@@ -75,6 +79,12 @@ def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
   context_BS = start_context(tokens_BT, lengths_B, g0_B, cache_size)
   return DecodeState(cache, g0_B, h_BD, context_BS, out, done_B, rng,
                      Metrics.zeros(B, beam_length))
+
+
+def drafter_layers(drafter) -> tuple[int, ...]:
+  """The LLM layers whose states ``drafter`` reads (``DrafterConfig.feature_layers``; empty: the
+  last hidden state only, also for drafters without a config, such as the tests' oracles)."""
+  return tuple(getattr(getattr(drafter, "config", None), "feature_layers", ()) or ())
 
 
 def start_context(tokens_BT, lengths_B, g0_B, size: int) -> jax.Array:
@@ -99,7 +109,7 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig,
     beams = drafter.propose(llm, state, cfg)
   else:
     embed_VD = llm.embed_tokens.embedding[...] if embed_VD is None else embed_VD
-    beams = beam_search(drafter, embed_VD, state.h_BD, state.g0_B,
+    beams = beam_search(drafter, embed_VD, drafter.context(state.h_BD), state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
                         return_full=cfg.acceptance == "reference")
   if cfg.lookup_ngram:
@@ -121,16 +131,30 @@ def with_lookup_beam(beams: BeamOutput, state: DecodeState, max_ngram: int) -> B
 
 
 def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree,
-                   width: int | None = None):
+                   width: int | None = None, layers: tuple[int, ...] = ()):
   """One LLM forward over the packed tree; its K/V land in the cache's scratch slots.
 
   ``width`` (static; None: the whole cache) is how many cache slots attention reads: a context
   bucket (``kv_cache.context_bucket``) holding every row's committed tokens and the N new ones.
+  An invariant model (``Llama(invariant=True)``) reads each tree token's keys in the positions
+  an AR step would (``invariant.tree_keys``), so its logits are AR's bit for bit.
+  ``layers`` (a multi-layer drafter's, ``drafter_layers``): the second output is those layers'
+  states (``Llama.forward_layers``) instead of the last hidden state.
   """
   cache = state.cache
   positions_BN = cache.lengths_B[:, None] + tree.depth_BN
-  mask_BNS = kvc.visible_mask(cache.lengths_B, tree.mask_BNN, width or cache.size)
-  hidden_BND, cache = llm.forward_hidden(tree.tokens_BN, positions_BN, mask_BNS, cache)
+  virtual = None
+  if getattr(llm, "invariant", False):
+    virtual, mask_BNS = tree_keys(cache.lengths_B, tree.depth_BN, tree.mask_BNN,
+                                  width or cache.size)
+  else:
+    mask_BNS = kvc.visible_mask(cache.lengths_B, tree.mask_BNN, width or cache.size)
+  if layers:
+    hidden_BND, taps_BNX, cache = llm.forward_layers(tree.tokens_BN, positions_BN, mask_BNS,
+                                                     cache, virtual, layers=layers)
+    return llm.logits(hidden_BND), taps_BNX, cache
+  hidden_BND, cache = llm.forward_hidden(tree.tokens_BN, positions_BN, mask_BNS, cache,
+                                         virtual=virtual)
   return llm.logits(hidden_BND), hidden_BND, cache
 
 
@@ -213,7 +237,8 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
     rng, key = jax.random.split(state.rng)
   state = state.replace(rng=rng)
   beams, tree = draft(llm, drafter, state, cfg, embed_VD)
-  logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree, width)
+  logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree, width,
+                                                 drafter_layers(drafter))
   verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
   return commit(state, cache, verdict, hidden_BND, tree, stop_ids,
                 max_new_tokens=cfg.max_new_tokens)

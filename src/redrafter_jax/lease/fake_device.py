@@ -7,7 +7,7 @@ empty ``$OUT``; the size limit on what travels; the per-call time limit; and the
 files that come back (``limits.returned_files``). It models the runner's device time (start,
 per-call overhead, the command's own seconds) so a plan that would not fit a lease fails here.
 Nothing outside the checkout is visible but the Python environment: no model cache, no
-``../shared`` beside it.
+folder beside the checkout.
 """
 
 from __future__ import annotations

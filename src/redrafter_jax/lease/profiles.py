@@ -23,7 +23,8 @@ PROMPTS = "data/spec_bench.jsonl.gz"
 # kinds on the H100.
 GPU_TREES = "1x4+3/5,4x4,8x5"
 GPU_MAIN_TREE = "1x4+3/5"
-CACHE_SIZE = 1024  # one cache size for every prompt and method: one program per method
+CACHE_SIZE = 1024  # one cache size for every prompt and method
+PROMPT_MULTIPLE = 512  # prompts padded to 512 or 1024: at most two prefill programs per method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +44,14 @@ def _suite(size: str) -> tuple[str, ...]:
   if size == "gpu":
     return common + ("--gpu", "--drafter", "shipped", "--per-category", "1",
                      "--max-new-tokens", "128", "--beams", GPU_TREES, "--main-beams",
-                     GPU_MAIN_TREE, "--batch-sizes", "1,4,16", "--cache-size", str(CACHE_SIZE))
-  return common + ("--drafter", "random", "--exit-dim", "32", "--per-category", "1",
-                   "--max-new-tokens", "8", "--beams", "1x3+2/4,2x3", "--main-beams", "1x3+2/4",
-                   "--batch-sizes", "1,2", "--split-repeat", "1", "--cache-size",
-                   str(CACHE_SIZE), "--dtype", "bfloat16")
+                     GPU_MAIN_TREE, "--batch-sizes", "1,4,16", "--cache-size", str(CACHE_SIZE),
+                     "--prompt-multiple", str(PROMPT_MULTIPLE))
+  # --quick: the two shortest prompts; one tree, one batch size: the fewest programs that still
+  # run every part of the suite (each compile costs seconds on a CPU)
+  return common + ("--quick", "--drafter", "random", "--exit-dim", "32", "--max-new-tokens", "8",
+                   "--beams", "1x3+2/4", "--main-beams", "1x3+2/4", "--batch-sizes", "2",
+                   "--split-repeat", "1", "--cache-size", str(CACHE_SIZE), "--prompt-multiple",
+                   str(PROMPT_MULTIPLE), "--dtype", "bfloat16")
 
 
 def measure(size: str) -> list[Step]:
@@ -65,25 +69,29 @@ def measure(size: str) -> list[Step]:
       Step("step_costs",
            ("{py}", "-m", "redrafter_jax.bench", "step_costs", "--shape",
             "llama3-8b" if gpu else "tiny", "--scan-layers", "--out",
-            "{results}/step_costs.md") + (() if gpu else ("--reps", "2")), 15,
+            "{results}/step_costs.md")
+           + (() if gpu else ("--reps", "1", "--verify-tokens", "8")), 15,
            "AR step, verification of 8-64 tokens and the draft at the Llama-3-8B shape (layers "
            "scanned: 32 unrolled layers would spend the step's share compiling), against the "
            "time to read their bytes once"),
       Step("loops",
            ("{py}", "-m", "redrafter_jax.bench", "loops", "--model", "{model}", "--prompts",
             "{prompts}", "--out", "{results}/loops.md")
-           + (("--drafter", "shipped", "--dtype", "bfloat16", "--param-dtype", "bfloat16") if gpu
-              else tiny_model + ("--max-new-tokens", "8", "--reps", "1")), 15,
+           + (("--drafter", "shipped", "--dtype", "bfloat16", "--param-dtype", "bfloat16",
+               "--num-prompts", "3", "--steps-per-check", "8") if gpu
+              else tiny_model + ("--max-new-tokens", "8", "--reps", "1", "--num-prompts", "1",
+                                 "--steps-per-check", "4")), 20,
            "the decode loops as they are, k steps per check, and with command buffers"),
       Step("gpu_tests", ("{py}", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                         "tests/test_gpu.py", "tests/test_llama.py"), 12,
+                         "tests/test_gpu.py", "tests/test_llama.py"), 10,
            "the gpu-marked tests (cuDNN and Pallas vs xla, ReDrafter == AR, batch > 1)",
            env=(("JAX_PLATFORMS", "cuda,cpu" if gpu else "cpu"),)),
       Step("layers",
            ("{py}", "-m", "redrafter_jax.bench", "layers", "--model", "{model}", "--param-dtype",
             "bfloat16", "--out", "{results}/layers.md")
            + (("--drafter", "shipped") if gpu else
-              tiny_model + ("--max-new-tokens", "8", "--repeat", "1", "--context", "16")), 12,
+              tiny_model + ("--max-new-tokens", "8", "--repeat", "1", "--context", "16",
+                            "--batch", "1")), 9,
            "layers unrolled vs scanned: compile seconds and run time"),
   ]
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from redrafter_jax.errors import UserError
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.invariant import VirtualKeys, attend_invariant
 
 BACKENDS = ("xla", "cudnn", "pallas")
 LAYOUT = {"xla": "XES", "cudnn": "BSKE", "pallas": "BKSE"}  # the cache layout each backend reads
@@ -68,12 +69,27 @@ def cache_dtype(backend: str, dtype):
 
 
 def attend(q_BTHE: jax.Array, k: jax.Array, v: jax.Array, mask_BTS: jax.Array, *,
-           backend: str = "xla", layout: str | None = None) -> jax.Array:
-  """Masked grouped-query attention; ``k`` and ``v`` in ``layout`` (default: the backend's)."""
+           backend: str = "xla", layout: str | None = None, invariant: bool = False,
+           virtual: VirtualKeys | None = None) -> jax.Array:
+  """Masked grouped-query attention; ``k`` and ``v`` in ``layout`` (default: the backend's).
+
+  ``invariant``: every query's output independent of the other queries and of the width read
+  (``invariant.attend_invariant``, any backend's layout, computed by XLA); ``virtual``: where a
+  tree's tokens find their keys in that mode (``invariant.tree_keys``)."""
   if backend not in BACKENDS:
     raise BackendError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
   layout = LAYOUT[backend] if layout is None else layout
   kvc.check_layout(layout)
+  if invariant:
+    B = q_BTHE.shape[0]
+    if layout != "XES":  # one copy of each into the layout the invariant products read
+      k_BKSE, v_BKSE = kvc.to_BKSE(k, v, B, layout)
+      _, K, S, E = k_BKSE.shape
+      k = k_BKSE.transpose(1, 0, 3, 2).reshape(K * B, E, S)
+      v = v_BKSE.transpose(1, 0, 2, 3).reshape(K * B, S, E)
+    return attend_invariant(q_BTHE, k, v, mask_BTS, virtual)
+  if virtual is not None:
+    raise BackendError("virtual keys (tree_keys) are read by the invariant attention only")
   if backend == "xla":
     return _attend_xla(q_BTHE, k, v, mask_BTS, layout)
   if layout != LAYOUT[backend]:

@@ -10,6 +10,13 @@ Wiring (the reference implementation's code, DESIGN §5), for one beam at draft 
   logp = log_softmax(lm_head_n(x))
 
 ``E`` is the LLM's input embedding table, passed in (it is not part of the drafter's weights).
+
+Multi-layer features (``DrafterConfig.feature_layers``, an option beyond the reference, after
+EAGLE-3): the LLM hands over the outputs of several decoder layers, each through its final norm,
+concatenated (``[.., k*D]``, see ``Llama.forward_layers``); ``context`` projects them to D with
+the learned ``feature_proj`` (no bias) and that vector takes h's place above. A fresh
+``feature_proj`` copies the LAST listed layer and ignores the others, so with the LLM's last
+layer listed last, a fresh multi-layer drafter starts as the single-layer one.
 Parameter names and shapes follow the reference's safetensors keys (``lm_head.{i}.linear``,
 ``lm_head.{n}``, ``rnn_u``, ``rnn_w``, ``input_proj``), so export is a transpose per tensor.
 
@@ -60,12 +67,28 @@ class Drafter(nnx.Module):
       self.input_proj = lin(2 * D, C, True)
     self.lm_head = nnx.List([ResBlock(C, dtype=dtype, rngs=rngs)
                              for _ in range(cfg.num_draft_layers)] + [lin(C, V, False)])
+    if cfg.feature_layers:
+      k = len(cfg.feature_layers)
+      self.feature_proj = lin(k * D, D, False)
+      self.feature_proj.kernel.set_value(jnp.concatenate(
+          [jnp.zeros(((k - 1) * D, D), dtype), jnp.eye(D, dtype=dtype)]))
     if cfg.rnn:
       self.rnn_u = lin(D, D, True)
       self.rnn_w = lin(D, D, False)
     self.token_ranking = TokenRanking(jnp.arange(V, dtype=jnp.int32))
     # Set by ``restrict_vocab``: the token id of each output row.
     self.vocab_ids = nnx.data(None)
+
+  def context(self, feats_xX: jax.Array) -> jax.Array:
+    """The context vector h ``[.., D]`` from what the LLM hands over: its last hidden state
+    (returned as is) or, with ``feature_layers``, its concatenated layer states ``[.., k*D]``."""
+    if not self.config.feature_layers:
+      return feats_xX
+    want = self.config.context_width
+    if feats_xX.shape[-1] != want:
+      raise ValueError(f"drafter with feature_layers={self.config.feature_layers} reads "
+                       f"{want} features per token, got {feats_xX.shape[-1]}")
+    return self.feature_proj(feats_xX.astype(self.dtype))
 
   def init_state(self, h_xD: jax.Array) -> jax.Array:
     return jnp.zeros_like(h_xD, self.dtype)
@@ -96,16 +119,29 @@ class Drafter(nnx.Module):
     s_xD = self.recur(s_xD, prev_emb_xD)
     return self.log_probs(h_xD, s_xD), s_xD
 
-  def unroll_logits(self, h_xD: jax.Array, prev_emb_xnD: jax.Array) -> jax.Array:
+  def unroll_logits(self, h_xD: jax.Array, prev_emb_xnD: jax.Array,
+                    own_xn: jax.Array | None = None,
+                    embed_VD: jax.Array | None = None) -> jax.Array:
     """Teacher-forced logits for n steps: step i sees the embeddings of tokens 1..i.
 
     ``prev_emb_xnD[..., i, :]`` is the embedding of the token before draft step i (g0 first).
-    Returns ``logits_xnV`` (float32). This is the training path (no top-k cut).
+    Returns ``logits_xnV`` (float32). This is the training path (no top-k cut). ``h_xD`` is
+    the context vector (``context`` of the LLM's features).
+
+    ``own_xn`` (bool; training-time test): where set at step i > 0, the step reads the
+    embedding (from ``embed_VD``) of this drafter's own argmax at step i-1 instead of
+    ``prev_emb``, as beam search's best beam does; the choice itself carries no gradient.
     """
     s_xD = self.init_state(h_xD)
     out = []
     for i in range(prev_emb_xnD.shape[-2]):
-      s_xD = self.recur(s_xD, prev_emb_xnD[..., i, :])
+      prev_xD = prev_emb_xnD[..., i, :]
+      if own_xn is not None and i > 0:
+        row_x = jnp.argmax(out[-1], axis=-1)
+        tok_x = row_x if self.vocab_ids is None else self.vocab_ids[...][row_x]
+        own_emb_xD = jax.lax.stop_gradient(jnp.take(embed_VD, tok_x, axis=0))
+        prev_xD = jnp.where(own_xn[..., i, None], own_emb_xD.astype(prev_xD.dtype), prev_xD)
+      s_xD = self.recur(s_xD, prev_xD)
       out.append(self.logits(h_xD, s_xD))
     return jnp.stack(out, axis=-2)
 

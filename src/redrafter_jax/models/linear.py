@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redrafter_jax.models.invariant import project_invariant
+
 
 LAYOUTS = ("oi", "io")
 PARAM_NAME = {"oi": "weight", "io": "kernel"}  # the parameter that holds the matrix per layout
@@ -146,10 +148,13 @@ def _dot(x_rI, w, *, layout: str):
 
 class Dense(nnx.Module):
   """``y = x W^T + b``, ``W`` stored in ``layout`` (None: ``preferred_layout(param_dtype)``) as
-  ``weight`` ``[out, in]`` or ``kernel`` ``[in, out]``, in ``param_dtype``; output in ``dtype``."""
+  ``weight`` ``[out, in]`` or ``kernel`` ``[in, out]``, in ``param_dtype``; output in ``dtype``.
+  ``invariant``: each row's result independent of the other rows
+  (``invariant.project_invariant``)."""
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-               param_dtype, rngs: nnx.Rngs, layout: str | None = None):
+               param_dtype, rngs: nnx.Rngs, layout: str | None = None,
+               invariant: bool = False):
     layout = preferred_layout(param_dtype) if layout is None else layout
     _check_layout(layout)
     if layout == "oi":
@@ -161,6 +166,7 @@ class Dense(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
     self.dtype = dtype
     self.layout = layout
+    self.invariant = invariant
 
   @property
   def matrix(self) -> nnx.Param:
@@ -173,7 +179,8 @@ class Dense(nnx.Module):
     return w if self.layout == "oi" else w.T
 
   def __call__(self, x_xI: jax.Array) -> jax.Array:
-    y = project(x_xI, self.matrix[...], self.dtype, layout=self.layout)
+    proj = project_invariant if self.invariant else project
+    y = proj(x_xI, self.matrix[...], self.dtype, layout=self.layout)
     if self.bias is None:
       return y
     return y + self.bias[...].astype(self.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
@@ -198,14 +205,16 @@ class Embed(nnx.Module):
   reads: a one-time cost per decode call.)"""
 
   def __init__(self, num_embeddings: int, features: int, *, dtype, param_dtype,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, invariant: bool = False):
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
     self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
     self.dtype = dtype
+    self.invariant = invariant  # the tied output projection's rows independent of each other
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
 
   def attend(self, x_xD: jax.Array) -> jax.Array:
     """Logits against the table (tied output projection), float32."""
-    return project(x_xD, self.embedding[...], jnp.float32)
+    proj = project_invariant if self.invariant else project
+    return proj(x_xD, self.embedding[...], jnp.float32)

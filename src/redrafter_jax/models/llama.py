@@ -34,6 +34,7 @@ from flax import nnx
 from redrafter_jax.config import LlamaConfig
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.attention import attend, cache_dtype, cache_layout
+from redrafter_jax.models.invariant import VirtualKeys
 from redrafter_jax.models.linear import Dense, Embed, on_cpu
 
 
@@ -84,17 +85,18 @@ def apply_rope(x_BTHE, cos_BTE, sin_BTE):
 class Attention(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
-               weight_layout: str | None = None):
+               weight_layout: str | None = None, invariant: bool = False):
     D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     linear = lambda i, o, bias: Dense(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
-                                      rngs=rngs, layout=weight_layout)
+                                      rngs=rngs, layout=weight_layout, invariant=invariant)
     self.q_proj = linear(D, H * E, cfg.attention_bias)
     self.k_proj = linear(D, K * E, cfg.attention_bias)
     self.v_proj = linear(D, K * E, cfg.attention_bias)
     self.o_proj = linear(H * E, D, False)
     self.num_heads, self.num_kv_heads, self.head_dim = H, K, E
+    self.invariant = invariant
 
-  def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend):
+  def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend, virtual=None):
     B, T, _ = x_BTD.shape
     H, K, E = self.num_heads, self.num_kv_heads, self.head_dim
     q_BTHE = apply_rope(self.q_proj(x_BTD).reshape(B, T, H, E), cos_BTE, sin_BTE)
@@ -107,17 +109,18 @@ class Attention(nnx.Module):
       layout = cache.layout
       cache = kvc.write_layer(cache, layer, k_BTKE, v_BTKE)
       keys, values = cache.layer(layer, mask_BTS.shape[-1])
-    out_BTHE = attend(q_BTHE, keys, values, mask_BTS, backend=backend, layout=layout)
+    out_BTHE = attend(q_BTHE, keys, values, mask_BTS, backend=backend, layout=layout,
+                      invariant=self.invariant, virtual=virtual)
     return self.o_proj(out_BTHE.reshape(B, T, H * E)), cache
 
 
 class MLP(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
-               weight_layout: str | None = None):
+               weight_layout: str | None = None, invariant: bool = False):
     D, F = cfg.hidden_size, cfg.intermediate_size
     linear = lambda i, o: Dense(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs, layout=weight_layout)
+                                rngs=rngs, layout=weight_layout, invariant=invariant)
     self.gate_proj, self.up_proj, self.down_proj = linear(D, F), linear(D, F), linear(F, D)
 
   def __call__(self, x_BTD):
@@ -127,18 +130,18 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
-               weight_layout: str | None = None):
+               weight_layout: str | None = None, invariant: bool = False):
     norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.input_layernorm = norm()
     self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                               weight_layout=weight_layout)
+                               weight_layout=weight_layout, invariant=invariant)
     self.post_attention_layernorm = norm()
     self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                   weight_layout=weight_layout)
+                   weight_layout=weight_layout, invariant=invariant)
 
-  def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend):
+  def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, backend, virtual=None):
     attn_BTD, cache = self.self_attn(self.input_layernorm(x_BTD), cos_BTE, sin_BTE, mask_BTS,
-                                     cache, layer, backend)
+                                     cache, layer, backend, virtual)
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
     return x_BTD, cache
@@ -158,11 +161,25 @@ class Llama(nnx.Module):
   with it the KV cache's layout (``init_cache``);
   ``dtype`` the activations' and the KV cache's dtype, ``param_dtype`` the weights' (None: the
   same); ``weight_layout`` how projections store their matrices (``linear.LAYOUTS``; None:
-  ``linear.preferred_layout(param_dtype)``, the faster one on this platform)."""
+  ``linear.preferred_layout(param_dtype)``, the faster one on this platform).
+
+  ``invariant`` (the invariant mode, ``models/invariant.py``) makes every token's logits a
+  function of that token and its ancestors only, whatever else is in the forward. What greedy
+  decoding guarantees, in each mode:
+
+  - float32 activations, default: ReDrafter, AR at any batch and any cache size give the same
+    tokens, except where two candidates tie within float32 rounding;
+  - bfloat16 activations, default: the model's own greedy output changes with the batch's
+    shape (batch size, padding, cache size, tree) at near-ties; ReDrafter's divergences from
+    AR fall within that noise (``bench divergence`` reports both);
+  - ``invariant=True`` (any activation dtype): identical tokens, with no tie exception, from
+    ``generate`` at any batch size and from ``decode`` / ``ReDrafter`` at any tree and batch
+    (``verify_forward`` reads a tree's keys in their AR positions, ``invariant.tree_keys``).
+    It costs time: the cost is measured by ``python -m redrafter_jax.bench invariant``."""
 
   def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
                backend: str = "xla", cache_layout: str | None = None,
-               weight_layout: str | None = None, rngs: nnx.Rngs):
+               weight_layout: str | None = None, invariant: bool = False, rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
     self.config = cfg
     self.dtype = dtype
@@ -170,26 +187,31 @@ class Llama(nnx.Module):
     self.backend = backend
     self.cache_layout = cache_layout  # None: the backend's (only ``xla`` reads every layout)
     self.scan_layers = False  # ``stack_layers`` sets it (and stacks ``layers``)
+    self.invariant = invariant
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+                              param_dtype=param_dtype, rngs=rngs, invariant=invariant)
     self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                                         weight_layout=weight_layout)
+                                         weight_layout=weight_layout, invariant=invariant)
                             for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
-                           param_dtype=param_dtype, rngs=rngs, layout=weight_layout)
+                           param_dtype=param_dtype, rngs=rngs, layout=weight_layout,
+                           invariant=invariant)
 
   def embed(self, tokens):
     return self.embed_tokens(tokens)
 
-  def forward_hidden(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None):
-    """Run the decoder; returns ``(hidden_BTD, cache)`` with hidden after the final norm."""
+  def forward_hidden(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None,
+                     virtual: VirtualKeys | None = None):
+    """Run the decoder; returns ``(hidden_BTD, cache)`` with hidden after the final norm.
+    ``virtual`` (invariant mode only): where a tree's tokens find their keys, with ``mask_BTS``
+    in those virtual positions (``invariant.tree_keys``)."""
     x_BTD = self.embed_tokens(tokens_BT)
     cos_BTE, sin_BTE = rope_cos_sin(positions_BT, rope_inv_freq(self.config), self.dtype)
     if not self.scan_layers:
       for i, layer in enumerate(self.layers):
-        x_BTD, cache = layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i, self.backend)
+        x_BTD, cache = layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i, self.backend, virtual)
       return self.norm(x_BTD), cache
     if cache is not None and not cache.stacked:
       raise kvc.CacheError("a model that scans over its layers needs a stacked KV cache "
@@ -205,11 +227,56 @@ class Llama(nnx.Module):
       x_BTD, cache, i = carry
       params = jax.tree.map(_from_bits, bits, dtypes)
       x_BTD, cache = nnx.merge(graphdef, params)(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i,
-                                                  self.backend)
+                                                  self.backend, virtual)
       return (x_BTD, cache, i + 1), None
 
     (x_BTD, cache, _), _ = jax.lax.scan(one_layer, (x_BTD, cache, jnp.int32(0)), params_L)
     return self.norm(x_BTD), cache
+
+  def forward_layers(self, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache | None = None,
+                     virtual: VirtualKeys | None = None, *, layers: tuple[int, ...]):
+    """``forward_hidden`` that also returns the outputs of decoder ``layers`` (0-based), each
+    put through the final norm and concatenated: ``(hidden_BTD, taps_BTX, cache)`` with
+    ``X = len(layers) * D``. A multi-layer drafter reads ``taps`` (``DrafterConfig
+    .feature_layers``); the last layer's tap is ``hidden`` itself. A separate method so that
+    ``forward_hidden`` keeps its program."""
+    L = self.config.num_layers
+    if not layers or any(not 0 <= i < L for i in layers):
+      raise ValueError(f"forward_layers: layers {tuple(layers)} must be a non-empty list of "
+                       f"indices in [0, {L})")
+    x_BTD = self.embed_tokens(tokens_BT)
+    cos_BTE, sin_BTE = rope_cos_sin(positions_BT, rope_inv_freq(self.config), self.dtype)
+    if not self.scan_layers:
+      taps = {}
+      for i, layer in enumerate(self.layers):
+        x_BTD, cache = layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i, self.backend, virtual)
+        if i in layers:
+          taps[i] = x_BTD
+      taps_kBTD = [taps[i] for i in layers]
+    else:
+      if cache is not None and not cache.stacked:
+        raise kvc.CacheError("a model that scans over its layers needs a stacked KV cache "
+                             "(its init_cache makes one)")
+      graphdef, params_L = nnx.split(self.layers)
+      dtypes = jax.tree.map(lambda w: w.dtype, params_L)
+      if on_cpu():  # see forward_hidden
+        params_L = jax.tree.map(_as_bits, params_L)
+      layers_k = jnp.asarray(layers, jnp.int32)
+
+      def one_layer(carry, bits):
+        x_BTD, cache, i, taps_kBTD = carry
+        params = jax.tree.map(_from_bits, bits, dtypes)
+        x_BTD, cache = nnx.merge(graphdef, params)(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, i,
+                                                    self.backend, virtual)
+        hit_k = (layers_k == i).reshape(-1, 1, 1, 1)
+        return (x_BTD, cache, i + 1, jnp.where(hit_k, x_BTD[None], taps_kBTD)), None
+
+      taps0 = jnp.zeros((len(layers),) + x_BTD.shape, x_BTD.dtype)
+      (x_BTD, cache, _, taps_kBTD), _ = jax.lax.scan(
+          one_layer, (x_BTD, cache, jnp.int32(0), taps0), params_L)
+      taps_kBTD = list(taps_kBTD)
+    taps_BTX = jnp.concatenate([self.norm(t) for t in taps_kBTD], axis=-1)
+    return self.norm(x_BTD), taps_BTX, cache
 
   def logits(self, hidden_xD: jax.Array) -> jax.Array:
     """Vocabulary logits (float32) for hidden states of any leading shape."""
@@ -255,8 +322,9 @@ def stack_layers(model: Llama) -> Llama:
 
 
 def abstract_llama(cfg: LlamaConfig, *, dtype=jnp.float32, param_dtype=None,
-                   backend: str = "xla", weight_layout: str | None = None) -> Llama:
+                   backend: str = "xla", weight_layout: str | None = None,
+                   invariant: bool = False) -> Llama:
   """A Llama with shape-only parameters (no memory, no random init), for loading weights into."""
   return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, param_dtype=param_dtype,
                                       backend=backend, weight_layout=weight_layout,
-                                      rngs=nnx.Rngs(0)))
+                                      invariant=invariant, rngs=nnx.Rngs(0)))

@@ -12,7 +12,10 @@ keys as ``train.py``'s command line)::
 Variant ``NAME`` trains into ``<base train.output_dir>/NAME`` (resumable: a rerun continues
 where a stopped one ended and skips finished ones), and ``table`` reads each variant's
 ``eval.csv`` (the held-out scores at its last step) and ``metrics.csv`` (training throughput)
-into one table. Every variant sees the same batches in the same order (same data, seed and
+into one table, with ``chain_tokens``: the tokens per step one greedy beam would give if each
+step's held-out top-1 held independently, ``1 + sum_k prod_{j<=k} top1_j`` (teacher-forced
+top-1 at step j is conditional on steps < j being right, so the product is the chance that the
+first k drafted tokens are all the LLM's; a tree of W beams accepts at least that). Every variant sees the same batches in the same order (same data, seed and
 batch shape) unless its overrides change those.
 """
 
@@ -85,8 +88,9 @@ def variant_row(ablation: Ablation, name: str) -> dict[str, Any]:
   if evals:
     last = evals[-1]
     row["step"] = int(last["step"])
-    for key in ("loss_1", "top1_1", "top1_2", "top1_4", "top5_1", "coverage_1"):
+    for key in ("loss_1", "top1_1", "top1_2", "top1_3", "top1_4", "top5_1", "coverage_1"):
       row[key] = float(last[key]) if last.get(key) not in (None, "") else None
+    row["chain_tokens"] = chain_tokens(last)
   speeds = [float(r["tokens_per_s"]) for r in steps[5:] if r.get("tokens_per_s")]
   row["tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
   drafter_dir = out / "drafter"
@@ -101,12 +105,27 @@ def variant_row(ablation: Ablation, name: str) -> dict[str, Any]:
   return row
 
 
+def chain_tokens(eval_row: Mapping[str, Any]) -> float | None:
+  """``1 + sum_k prod_{j<=k} top1_j`` over the steps ``eval_row`` holds (``top1_1``, ...)."""
+  accs = []
+  while eval_row.get(f"top1_{len(accs) + 1}") not in (None, ""):
+    accs.append(float(eval_row[f"top1_{len(accs) + 1}"]))
+  if not accs:
+    return None
+  total, run = 1.0, 1.0
+  for acc in accs:
+    run *= acc
+    total += run
+  return total
+
+
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
   """The rows as a Markdown table (missing values as "-")."""
   cols = [("variant", "variant", "{}"), ("overrides", "overrides", "{}"),
           ("step", "held-out at step", "{}"), ("params_m", "params (M)", "{:.2f}"),
           ("top1_1", "top-1 step 1", "{:.3f}"), ("top1_2", "step 2", "{:.3f}"),
-          ("top1_4", "step 4", "{:.3f}"), ("top5_1", "top-5 step 1", "{:.3f}"),
+          ("top1_3", "step 3", "{:.3f}"), ("top1_4", "step 4", "{:.3f}"),
+          ("chain_tokens", "1-beam tokens/step", "{:.3f}"), ("top5_1", "top-5 step 1", "{:.3f}"),
           ("loss_1", "loss step 1", "{:.3f}"), ("coverage_1", "coverage", "{:.3f}"),
           ("tokens_per_s", "train tok/s", "{:.0f}")]
   fmt = lambda r, k, f: "-" if r.get(k) is None else f.format(r[k])

@@ -267,13 +267,14 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
                  pack: bool = True, rows: tuple[int, int] | None = None,
                  vocab_size: int | None = None, packing_bins: int | None = None,
                  holdout: int = 0, part: str = "train", first: int = 0, features=None,
-                 hidden_size: int | None = None) -> grain.IterDataset:
+                 hidden_size: int | None = None,
+                 feature_layers: tuple[int, ...] = ()) -> grain.IterDataset:
   """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
 
   ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
   ``folder`` is one data folder or several; ``holdout`` / ``part`` / ``first`` pick the
   shards (``shard_paths``). ``features``: a features folder per data folder (``features.py``; made
-  for this ``seq_len`` and ``hidden_size``): batches then hold ``hidden`` too. The batches are
+  for this ``seq_len``, ``hidden_size`` and ``feature_layers``): batches then hold ``hidden`` too. The batches are
   otherwise the same, in the same order.
   """
   start, stop = rows if rows is not None else (0, global_batch)
@@ -291,7 +292,8 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
     hidden_paths = [q for d, f in zip(folders(folder), feats)
                     for q in feature_paths(f, shard_paths(d, holdout=holdout, part=part,
                                                           first=first),
-                                           seq_len=seq_len, hidden_size=hidden_size)]
+                                           seq_len=seq_len, hidden_size=hidden_size,
+                                           feature_layers=feature_layers)]
   source = ShardSource(paths, hidden_paths, seq_len)
   if len(source) == 0:
     raise DataError(f"{', '.join(map(str, folders(folder)))}: the shards hold no records")

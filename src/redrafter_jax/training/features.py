@@ -21,6 +21,10 @@ Layout of a features folder (one per data folder, shard for shard)::
   shard-NNNNN.npy     [tokens, D] the states of the shard's records' windows, in record order
                       (uncompressed: the trainer memory-maps it)
 
+With ``feature_layers`` (a multi-layer drafter's ``DrafterConfig.feature_layers``; listed in the
+manifest's settings) each row is ``[D + k*D]``: the last hidden state (the soft targets' source),
+then the normed states of those layers (``Llama.forward_layers``: what the drafter reads).
+
 The command resumes: shards the manifest lists are skipped.
 """
 
@@ -40,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from redrafter_jax.training import data as data_lib
-from redrafter_jax.training.losses import frozen_hidden
+from redrafter_jax.training.losses import frozen_features, frozen_hidden
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +55,21 @@ def sha256(path: pathlib.Path) -> str:
   return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _hidden_BTD(graphdef, state, tokens_BT, lengths_B):
+@functools.partial(jax.jit, static_argnames=("graphdef", "layers"))
+def _hidden_BTD(graphdef, state, tokens_BT, lengths_B, layers=()):
   T = tokens_BT.shape[1]
   segments_BT = (jnp.arange(T)[None] < lengths_B[:, None]).astype(jnp.int32)
   positions_BT = jnp.broadcast_to(jnp.arange(T)[None], tokens_BT.shape)
-  return frozen_hidden(nnx.merge(graphdef, state), tokens_BT, positions_BT, segments_BT)
+  llm = nnx.merge(graphdef, state)
+  if not layers:
+    return frozen_hidden(llm, tokens_BT, positions_BT, segments_BT)
+  return jnp.concatenate(frozen_features(llm, tokens_BT, positions_BT, segments_BT, layers), -1)
 
 
 def shard_hidden(llm, records, seq_len: int, *, batch_tokens: int = 8192,
-                 bucket: int = 64) -> np.ndarray:
-  """``[sum of window lengths, D]`` float32: each record's window's hidden states, in order.
+                 bucket: int = 64, feature_layers: tuple[int, ...] = ()) -> np.ndarray:
+  """``[sum of window lengths, D]`` float32: each record's window's hidden states, in order
+  (``[.., D + k*D]`` with ``feature_layers``: see the module docstring).
 
   Records are grouped by length rounded up to ``bucket`` and run ``batch_tokens // length`` at a
   time (padding at the end of a row, which causal attention never reads), so a shard compiles
@@ -69,7 +77,7 @@ def shard_hidden(llm, records, seq_len: int, *, batch_tokens: int = 8192,
   graphdef, state = nnx.split(llm)
   windows = [r["tokens"][data_lib.window(r["mask"], seq_len)] for r in records]
   lengths = np.array([w.size for w in windows])
-  D = llm.config.hidden_size
+  D = llm.config.hidden_size * (1 + len(feature_layers))
   out = [np.zeros((n, D), np.float32) for n in lengths]
   padded = -(-np.maximum(lengths, 1) // bucket) * bucket
   for T in sorted(set(padded.tolist())):
@@ -83,7 +91,8 @@ def shard_hidden(llm, records, seq_len: int, *, batch_tokens: int = 8192,
         tokens_BT[b, :lengths[i]] = windows[i]
         lengths_B[b] = lengths[i]
       hidden_BTD = np.asarray(_hidden_BTD(graphdef, state, jnp.asarray(tokens_BT),
-                                          jnp.asarray(lengths_B)), np.float32)
+                                          jnp.asarray(lengths_B), tuple(feature_layers)),
+                              np.float32)
       for b, i in enumerate(idx):
         out[i] = hidden_BTD[b, :lengths[i]]
   return np.concatenate(out) if out else np.zeros((0, D), np.float32)
@@ -91,15 +100,19 @@ def shard_hidden(llm, records, seq_len: int, *, batch_tokens: int = 8192,
 
 def write_features(llm, data: str | pathlib.Path, out: str | pathlib.Path, *, model_name: str,
                    seq_len: int, dtype: str = "float32", batch_tokens: int = 8192,
-                   max_shards: int | None = None) -> dict[str, Any]:
+                   max_shards: int | None = None,
+                   feature_layers: tuple[int, ...] = ()) -> dict[str, Any]:
   """Write (or continue) the features folder ``out`` for the data folder ``data``; returns
-  ``{"shards": written, "tokens": ..., "seconds": ...}``."""
+  ``{"shards": written, "tokens": ..., "seconds": ...}``. ``feature_layers``: also store those
+  layers' states (for a multi-layer drafter)."""
   if dtype not in DTYPES:
     raise data_lib.DataError(f"features dtype must be one of {DTYPES}, got {dtype!r}")
   data, out = pathlib.Path(data), pathlib.Path(out)
   paths = data_lib.shard_paths(data)
   settings = dict(model=model_name, seq_len=seq_len, dtype=dtype,
                   hidden_size=llm.config.hidden_size, data=str(data))
+  if feature_layers:  # absent for the last hidden state only (older folders stay readable)
+    settings["feature_layers"] = list(feature_layers)
   manifest = {"settings": settings, "shards": {}}
   if (out / data_lib.MANIFEST).is_file():
     manifest = json.loads((out / data_lib.MANIFEST).read_text())
@@ -117,7 +130,8 @@ def write_features(llm, data: str | pathlib.Path, out: str | pathlib.Path, *, mo
       break
     t0 = time.perf_counter()
     records = data_lib.read_shard(path)
-    hidden = shard_hidden(llm, records, seq_len, batch_tokens=batch_tokens).astype(dtype)
+    hidden = shard_hidden(llm, records, seq_len, batch_tokens=batch_tokens,
+                          feature_layers=tuple(feature_layers)).astype(dtype)
     name = path.name.replace(data_lib.SHARD_SUFFIX, ".npy")
     tmp = out / (name + ".tmp")
     with open(tmp, "wb") as f:
@@ -139,11 +153,11 @@ def _write_json(path: pathlib.Path, obj) -> None:
 
 
 def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], *, seq_len: int,
-                  hidden_size: int | None = None, model_name: str | None = None
-                  ) -> list[pathlib.Path]:
+                  hidden_size: int | None = None, model_name: str | None = None,
+                  feature_layers: tuple[int, ...] = ()) -> list[pathlib.Path]:
   """The feature file of each data shard in ``shards``, checked against the manifest: made for
-  this ``seq_len`` (and hidden size and model, when given) and for exactly these shards'
-  bytes."""
+  this ``seq_len`` (and hidden size and model, when given) and these ``feature_layers``, and
+  for exactly these shards' bytes."""
   folder = pathlib.Path(features)
   path = folder / data_lib.MANIFEST
   if not path.is_file():
@@ -154,6 +168,8 @@ def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], 
   want = dict(seq_len=seq_len, **({"hidden_size": hidden_size} if hidden_size else {}),
               **({"model": model_name} if model_name else {}))
   got = {k: s.get(k) for k in want}
+  want["feature_layers"] = list(feature_layers)
+  got["feature_layers"] = list(s.get("feature_layers", []))
   if got != want:
     raise data_lib.DataError(f"{folder}: features made with {got}, but training needs {want}")
   out = []

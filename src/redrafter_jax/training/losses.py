@@ -15,6 +15,22 @@ positions, same weights; on greedy teacher data its argmax is the data token. It
 drafter how sure the LLM is and what its runners-up are, which is more signal per position
 (knowledge distillation; Medusa-2 and DistillSpec train draft models this way).
 
+Multi-layer features (``DrafterConfig.feature_layers``): ``context_BTX`` holds the LLM's
+concatenated layer states, which the drafter projects (``Drafter.context``) in place of ``h_t``;
+the teacher's distributions still come from the last hidden state.
+
+Training-time test (``self_feed`` p): at each (position, step i > 1) with probability p the
+drafter's state advances on its own argmax at step i-1 instead of the data token (the target is
+still the data token), so training sees the states beam search sees. p = 0 is the code path of
+pure teacher forcing, unchanged.
+
+Ranking loss (``rank_weight``, after HASS): at each counted target, the negative Plackett-Luce
+log-likelihood of the LLM's top-K tokens in the LLM's order under the drafter's logits,
+``mean_j [logsumexp(l over V minus x_1..x_{j-1}) - l_{x_j}]``. Its j = 1 term is the hard
+cross-entropy against the LLM's argmax; the later terms reward ordering the runners-up as the
+LLM does, which is what the W children of a beam-search node need. Added per step with weight
+``rank_weight`` (and the step weights).
+
 Memory: logits ``[B, T, n, V]`` at V=49152 would be GBs. The positions are cut into chunks of
 ``chunk`` and a ``lax.scan`` over chunks computes each chunk's logits inside ``jax.checkpoint``,
 so only one chunk's ``[B, chunk, n, V]`` logits (and their gradient) are alive at a time; the
@@ -62,14 +78,44 @@ def frozen_hidden(llm, tokens_BT, positions_BT, segment_ids_BT) -> jax.Array:
   return jax.lax.stop_gradient(hidden_BTD)
 
 
-def _chunk_sums(drafter, soft, h_BPD, prev_emb_BPnD, targets_BPn, weights_BPn, ce_weights_BPn,
-                teacher_p_BPnV):
-  """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits (each ``[n]``).
+def frozen_features(llm, tokens_BT, positions_BT, segment_ids_BT, layers: tuple[int, ...]):
+  """``(hidden_BTD, taps_BTX)``: ``frozen_hidden`` and the normed outputs of decoder ``layers``
+  concatenated (``Llama.forward_layers``; what a multi-layer drafter reads)."""
+  if not layers:
+    hidden_BTD = frozen_hidden(llm, tokens_BT, positions_BT, segment_ids_BT)
+    return hidden_BTD, hidden_BTD
+  T = tokens_BT.shape[1]
+  causal_TT = jnp.tril(jnp.ones((T, T), bool))
+  seg_BT = segment_ids_BT
+  mask_BTT = causal_TT[None] & (seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, None, :] > 0)
+  hidden_BTD, taps_BTX, _ = llm.forward_layers(tokens_BT, positions_BT, mask_BTT, layers=layers)
+  return jax.lax.stop_gradient(hidden_BTD), jax.lax.stop_gradient(taps_BTX)
+
+
+def plackett_luce_nll(logits_xV: jax.Array, ranked_xK: jax.Array) -> jax.Array:
+  """Mean over j of ``logsumexp(logits without ranked[:j]) - logits[ranked[j]]`` (``[x]``): the
+  negative log-likelihood, per ranked token, of drawing ``ranked`` in order without
+  replacement."""
+  logz_x = jax.nn.logsumexp(logits_xV, axis=-1)
+  picked_xK = jnp.take_along_axis(logits_xV, ranked_xK, axis=-1)
+  p_xK = jnp.exp(picked_xK - logz_x[..., None])
+  before_xK = jnp.cumsum(p_xK, axis=-1) - p_xK  # mass already drawn before rank j
+  rest_xK = logz_x[..., None] + jnp.log(jnp.maximum(1.0 - before_xK, 1e-6))
+  return jnp.mean(rest_xK - picked_xK, axis=-1)
+
+
+def _chunk_sums(drafter, soft, embed_VD, ctx_BPX, prev_emb_BPnD, targets_BPn, weights_BPn,
+                ce_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK):
+  """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits, ranking loss (each
+  ``[n]``).
 
   ``targets`` index the drafter's output rows; ``weights`` are 0 for targets that do not count
   (accuracies), ``ce_weights`` for those the cross-entropy skips. With ``soft`` the
-  cross-entropy is against the LLM's distributions ``teacher_p`` over the same rows."""
-  logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD)
+  cross-entropy is against the LLM's distributions ``teacher_p`` over the same rows. ``own``
+  (or None): steps that read the drafter's own previous argmax; ``ranked`` (K may be 0): the
+  LLM's top-K rows for the ranking loss."""
+  h_BPD = drafter.context(ctx_BPX)
+  logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD, own_BPn, embed_VD)
   logz_BPn = jax.nn.logsumexp(logits_BPnV, axis=-1)
   target_logit_BPn = jnp.take_along_axis(logits_BPnV, targets_BPn[..., None], axis=-1)[..., 0]
   rank_BPn = jnp.sum(logits_BPnV > target_logit_BPn[..., None], axis=-1)
@@ -81,7 +127,11 @@ def _chunk_sums(drafter, soft, h_BPD, prev_emb_BPnD, targets_BPn, weights_BPn, c
   ce_n = jnp.sum(ce_BPn * ce_weights_BPn, axis=(0, 1))
   top1_n = jnp.sum((rank_BPn < 1) * weights_BPn, axis=(0, 1))
   top5_n = jnp.sum((rank_BPn < 5) * weights_BPn, axis=(0, 1))
-  return ce_n, top1_n, top5_n
+  rank_loss_n = jnp.zeros_like(ce_n)
+  if ranked_BPnK.shape[-1]:
+    rank_loss_n = jnp.sum(plackett_luce_nll(logits_BPnV, ranked_BPnK) * ce_weights_BPn,
+                          axis=(0, 1))
+  return ce_n, top1_n, top5_n, rank_loss_n
 
 
 def restricted_targets(targets_BTn, vocab_ids_R, vocab_size: int):
@@ -96,7 +146,9 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
                  embedding_VD: jax.Array, tokens_BT: jax.Array, loss_mask_BT: jax.Array,
                  segment_ids_BT: jax.Array, *, num_steps: int, chunk: int = 64,
                  vocab_ids_R: jax.Array | None = None, teacher_out_VD: jax.Array | None = None,
-                 step_weight_decay: float = 1.0):
+                 step_weight_decay: float = 1.0, context_BTX: jax.Array | None = None,
+                 soft: bool | None = None, self_feed: float = 0.0,
+                 rng: jax.Array | None = None, rank_weight: float = 0.0, rank_top_k: int = 8):
   """``(loss, metrics)`` for a batch; differentiable in ``drafter_params`` only.
 
   ``drafter_of(params)`` builds the drafter from its parameters (e.g. ``nnx.merge`` with the
@@ -117,6 +169,13 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
 
   ``step_weight_decay`` d: the loss is ``sum_i d**i * loss_n[i]`` (``loss_n`` itself, in the
   metrics, stays unweighted so runs with different d compare).
+
+  ``context_BTX``: what the drafter reads instead of ``hidden_BTD`` (a multi-layer drafter's
+  concatenated layer states; see the module docstring). ``soft``: cross-entropy against the
+  LLM's distribution (None: whenever ``teacher_out_VD`` is given). ``self_feed`` p with ``rng``:
+  training-time test (module docstring). ``rank_weight`` w > 0 (needs ``teacher_out_VD``): the
+  loss adds ``w * rank_n[i]`` per step, the ranking loss over the LLM's ``rank_top_k`` best
+  tokens; ``rank_n`` joins the metrics.
   """
   n = num_steps
   B, T, D = hidden_BTD.shape
@@ -128,18 +187,29 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   prev_emb_BTnD = jnp.take(embedding_VD, future_window(tokens_BT, 1, n), axis=0)
   weights_BTn = counts_BTn.astype(jnp.float32)
   count_n = jnp.sum(weights_BTn, axis=(0, 1))
-  soft = teacher_out_VD is not None
+  soft = teacher_out_VD is not None if soft is None else soft
+  if (soft or rank_weight > 0) and teacher_out_VD is None:
+    raise ValueError("soft targets and the ranking loss need teacher_out_VD")
   teacher_p_BTnV = jnp.zeros((B, T, n, 0), jnp.float32)
-  if soft:
+  ranked_BTnK = jnp.zeros((B, T, n, 0), jnp.int32)
+  if soft or rank_weight > 0:
     out_VD = jax.lax.stop_gradient(teacher_out_VD)
     if vocab_ids_R is not None:
       out_VD = jnp.take(out_VD, vocab_ids_R, axis=0)
-    # The LLM's distribution at each position, once ([B, T, V]: one matmul, not n), then step
-    # i+1's (token t+i+2) is the one predicted from the hidden state at t+i+1. The window holds
-    # [B, T, n, V] floats (400 MB at B=8, T=384, n=4, V=8192).
-    teacher_p_BTV = jax.nn.softmax(
-        jnp.einsum("btd,vd->btv", hidden_BTD, out_VD, preferred_element_type=jnp.float32), -1)
-    teacher_p_BTnV = future_window(teacher_p_BTV, 1, n)
+    # The LLM's logits at each position, once ([B, T, V]: one matmul, not n), then step
+    # i+1's (token t+i+2) is the one predicted from the hidden state at t+i+1.
+    teacher_BTV = jnp.einsum("btd,vd->btv", hidden_BTD, out_VD,
+                             preferred_element_type=jnp.float32)
+    if soft:  # the window holds [B, T, n, V] floats (400 MB at B=8, T=384, n=4, V=8192)
+      teacher_p_BTnV = future_window(jax.nn.softmax(teacher_BTV, -1), 1, n)
+    if rank_weight > 0:
+      ranked_BTnK = future_window(jax.lax.top_k(teacher_BTV, rank_top_k)[1], 1, n)
+  own_BTn = None
+  if self_feed > 0:
+    if rng is None:
+      raise ValueError("self_feed needs rng")
+    own_BTn = jax.random.bernoulli(rng, self_feed, (B, T, n)).at[:, :, 0].set(False)
+  context_BTX = hidden_BTD if context_BTX is None else jax.lax.stop_gradient(context_BTX)
   if vocab_ids_R is not None:
     targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_R,
                                                    embedding_VD.shape[0])
@@ -156,19 +226,24 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
 
   @jax.checkpoint
   def chunk_sums(params, xs):
-    return _chunk_sums(drafter_of(params), soft, *xs)
+    return _chunk_sums(drafter_of(params), soft, embedding_VD, *xs)
 
   def body(carry, xs):
     return jax.tree.map(jnp.add, carry, chunk_sums(drafter_params, xs)), None
 
   zeros_n = jnp.zeros((n,), jnp.float32)
-  xs = tuple(chunked(x) for x in (hidden_BTD, prev_emb_BTnD, targets_BTn, weights_BTn,
-                                  ce_weights_BTn, teacher_p_BTnV))
-  (ce_n, top1_n, top5_n), _ = jax.lax.scan(body, (zeros_n, zeros_n, zeros_n), xs)
+  xs = tuple(None if x is None else chunked(x)
+             for x in (context_BTX, prev_emb_BTnD, targets_BTn, weights_BTn, ce_weights_BTn,
+                       teacher_p_BTnV, own_BTn, ranked_BTnK))
+  (ce_n, top1_n, top5_n, rank_sum_n), _ = jax.lax.scan(body, (zeros_n,) * 4, xs)
   scored_n = jnp.sum(weights_BTn, axis=(0, 1))
   denom_n = jnp.maximum(count_n, 1.0)
-  loss_n = ce_n / jnp.maximum(jnp.sum(ce_weights_BTn, axis=(0, 1)), 1.0)
+  ce_count_n = jnp.maximum(jnp.sum(ce_weights_BTn, axis=(0, 1)), 1.0)
+  loss_n = ce_n / ce_count_n
   metrics = dict(loss_n=loss_n, top1_n=top1_n / denom_n, top5_n=top5_n / denom_n,
                  count_n=count_n, coverage_n=scored_n / denom_n)
   weights_n = step_weight_decay ** jnp.arange(n, dtype=jnp.float32)
+  if rank_weight > 0:
+    metrics["rank_n"] = rank_sum_n / ce_count_n
+    return jnp.sum(weights_n * (loss_n + rank_weight * metrics["rank_n"])), metrics
   return jnp.sum(weights_n * loss_n), metrics

@@ -1,9 +1,10 @@
-"""The distillation prompt mix: requests that look like what users send, from the shared data.
+"""The distillation prompt mix: requests that look like what users send, from the source sets.
 
 The drafter is only as good as the answers it learns from, and a drafter trained on answers to
 math, code and roleplay prompts is accepted far less often on summaries, extractions, passages
 and open questions (checkpoints/README). This module builds the prompts of the broad teacher set
-from the material in ``../shared/data`` (never from Spec-Bench, the evaluation set):
+from the source prompt sets the repository carries in ``data/sources`` (``SOURCES``; each file
+may be plain ``.jsonl`` or gzipped ``.jsonl.gz``), never from Spec-Bench, the evaluation set:
 
 - ``train_prompts.jsonl``: GSM8K math, GPTeacher code / roleplay / general, as written;
 - ``qa_prompts.jsonl``: open-domain questions, as written and once more with a framing that
@@ -148,10 +149,17 @@ def _pick(key: str, n: int, k: int) -> list[int]:
   return order[:k]
 
 
+def _plain(path: pathlib.Path) -> pathlib.Path:
+  """The file's name without ``.gz``: rows a file lends its name to (a missing id or source)
+  are the same read from ``x.jsonl`` or ``x.jsonl.gz``."""
+  return path.with_suffix("") if path.suffix == ".gz" else path
+
+
 def prompts_as_written(path: pathlib.Path) -> list[MixRow]:
   """Rows of a prompts file (``{id, prompt, category?, source?}``), unchanged."""
-  return [MixRow(id=str(r.get("id", f"{path.stem}-{i}")), category=str(r.get("category", "")),
-                 source=str(r.get("source", path.name)), prompt=r["prompt"].strip())
+  plain = _plain(path)
+  return [MixRow(id=str(r.get("id", f"{plain.stem}-{i}")), category=str(r.get("category", "")),
+                 source=str(r.get("source", plain.name)), prompt=r["prompt"].strip())
           for i, (_, r) in enumerate(read_jsonl(path, "prompt"))]
 
 
@@ -180,7 +188,7 @@ def context_rows(path: pathlib.Path, *, tasks_per_passage: int, seed: int,
     for t in _pick(f"ctx/{seed}/{pid}", len(names), tasks_per_passage):
       category, template = CONTEXT_TASKS[names[t]]
       out.append(MixRow(id=f"{pid}/{names[t]}", category=category,
-                        source=str(r.get("source", path.name)),
+                        source=str(r.get("source", _plain(path).name)),
                         prompt=template.format(passage=text)))
   return out
 
@@ -228,20 +236,35 @@ def dedup(rows: Iterable[MixRow]) -> list[MixRow]:
   return out
 
 
-def build_mix(data_dir: str | pathlib.Path, *, tasks_per_passage: int = 3, seed: int = 0,
+# The folder of source prompt sets inside the checkout (data/README.md: sources and licences).
+SOURCES = pathlib.Path(__file__).resolve().parents[3] / "data" / "sources"
+
+
+def source_file(data_dir: str | pathlib.Path, name: str) -> pathlib.Path:
+  """``data_dir/name.jsonl``, or its gzipped twin ``name.jsonl.gz`` (the rows are the same)."""
+  d = pathlib.Path(data_dir)
+  for path in (d / f"{name}.jsonl", d / f"{name}.jsonl.gz"):
+    if path.is_file():
+      return path
+  raise DataError(f"{d}: no {name}.jsonl or {name}.jsonl.gz (the mix reads train_prompts, "
+                  "qa_prompts and passages; the repository carries them in data/sources)")
+
+
+def build_mix(data_dir: str | pathlib.Path = SOURCES, *, tasks_per_passage: int = 3, seed: int = 0,
               exclude: Sequence[str | pathlib.Path] = (),
               max_per_category: int | None = None) -> list[MixRow]:
-  """The mix from ``data_dir`` (train, qa and passages files; see the module docstring).
+  """The mix from ``data_dir`` (train, qa and passages files, ``.jsonl`` or ``.jsonl.gz``;
+  default: ``SOURCES``, the checkout's ``data/sources``; see the module docstring).
 
   ``exclude``: prompts files whose prompts must not appear (e.g. an evaluation set); a row whose
   text equals one of theirs is dropped. ``max_per_category`` keeps at most that many rows of
   each category (a seeded choice, file order kept), so GSM8K's 7,473 math prompts do not make
   a third of the mix.
   """
-  d = pathlib.Path(data_dir)
-  rows = (prompts_as_written(d / "train_prompts.jsonl")
-          + qa_rows(d / "qa_prompts.jsonl", seed=seed)
-          + context_rows(d / "passages.jsonl", tasks_per_passage=tasks_per_passage, seed=seed))
+  rows = (prompts_as_written(source_file(data_dir, "train_prompts"))
+          + qa_rows(source_file(data_dir, "qa_prompts"), seed=seed)
+          + context_rows(source_file(data_dir, "passages"), tasks_per_passage=tasks_per_passage,
+                         seed=seed))
   banned = {" ".join(r.prompt.split()) for p in exclude
             for r in prompts_as_written(pathlib.Path(p))}
   rows = [r for r in dedup(rows) if " ".join(r.prompt.split()) not in banned]

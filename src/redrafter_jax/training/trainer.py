@@ -8,7 +8,8 @@ distillation loss (``losses.py``), AdamW with linear warmup + cosine decay and g
 clipping — with explicit shardings and a donated train state. Every ``checkpoint_every``
 steps, at a requested stop and at the end it saves a checkpoint (``checkpoint.py``); a rerun
 with the same output folder resumes from the newest one and sees exactly the batches it would
-have seen. At the end the drafter is exported in the reference format to
+have seen. At the end the drafter is exported in the reference format (the
+redrafter-jax format for a multi-layer drafter, which the reference cannot hold) to
 ``<output_dir>/drafter``, with its token ranking (response-token frequency in the data;
 ``train.vocab_limit`` trains on the top K of it).
 
@@ -85,30 +86,67 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
   return adamw
 
 
-def _batch_loss(llm_graphdef, drafter_of, vocab_ids_R, num_steps, chunk, soft_targets,
-                step_weight_decay, llm_state, batch):
+@dataclasses.dataclass(frozen=True, eq=False)
+class LossSpec:
+  """The static settings of a step's loss (closed over by the jitted step)."""
+
+  llm_graphdef: Any
+  drafter_of: Any  # params -> the drafter the loss trains
+  vocab_ids_R: Any  # a restricted head's token ids, or None
+  num_steps: int
+  chunk: int
+  soft_targets: bool = False
+  step_weight_decay: float = 1.0
+  feature_layers: tuple[int, ...] = ()  # the drafter's (DrafterConfig.feature_layers)
+  self_feed: float = 0.0
+  rank_weight: float = 0.0
+  rank_top_k: int = 8
+  seed: int = 0
+
+  @classmethod
+  def make(cls, llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers=()) -> "LossSpec":
+    return cls(llm_graphdef, drafter_of, vocab_ids_R, cfg.num_draft_steps, cfg.loss_chunk,
+               cfg.soft_targets, cfg.step_weight_decay, tuple(feature_layers), cfg.self_feed,
+               cfg.rank_loss_weight, cfg.rank_top_k, cfg.seed)
+
+
+def _batch_loss(spec: LossSpec, llm_state, batch, step=None):
   """``params -> (loss, metrics)`` on ``batch``, the frozen LLM's part computed once (its hidden
-  states read from the batch when it holds them: ``train.features``)."""
-  llm = nnx.merge(llm_graphdef, llm_state)
+  states read from the batch when it holds them: ``train.features``; for a multi-layer drafter
+  they hold the last hidden state then the layer states, ``features.py``). ``step`` (an array)
+  seeds the self-fed positions; None (evaluation) feeds the data tokens only, so held-out
+  rows compare across recipes."""
+  llm = nnx.merge(spec.llm_graphdef, llm_state)
   tokens_BT, segments_BT = batch["tokens"], batch["segment_ids"]
   embedding_VD = llm.embed_tokens.embedding[...]
+  D = embedding_VD.shape[1]
   if "hidden" in batch:
-    hidden_BTD = batch["hidden"].astype(embedding_VD.dtype)  # distill_loss stops its gradient
+    stored = batch["hidden"].astype(embedding_VD.dtype)  # distill_loss stops its gradient
+    hidden_BTD, context_BTX = stored[..., :D], stored[..., D:]
   else:
-    hidden_BTD = losses.frozen_hidden(llm, tokens_BT, batch["positions"], segments_BT)
-  teacher_out_VD = llm.output_matrix() if soft_targets else None
+    hidden_BTD, context_BTX = losses.frozen_features(llm, tokens_BT, batch["positions"],
+                                                     segments_BT, spec.feature_layers)
+  if not spec.feature_layers:
+    context_BTX = None
+  teacher = spec.soft_targets or spec.rank_weight > 0
+  teacher_out_VD = llm.output_matrix() if teacher else None
+  self_feed = spec.self_feed if step is not None else 0.0
+  rng = (jax.random.fold_in(jax.random.key(spec.seed), step) if self_feed > 0 else None)
 
   def loss_fn(params):
-    return losses.distill_loss(drafter_of, params, hidden_BTD, embedding_VD, tokens_BT,
-                               batch["loss_mask"], segments_BT, num_steps=num_steps, chunk=chunk,
-                               vocab_ids_R=vocab_ids_R, teacher_out_VD=teacher_out_VD,
-                               step_weight_decay=step_weight_decay)
+    return losses.distill_loss(spec.drafter_of, params, hidden_BTD, embedding_VD, tokens_BT,
+                               batch["loss_mask"], segments_BT, num_steps=spec.num_steps,
+                               chunk=spec.chunk, vocab_ids_R=spec.vocab_ids_R,
+                               teacher_out_VD=teacher_out_VD, soft=spec.soft_targets,
+                               step_weight_decay=spec.step_weight_decay,
+                               context_BTX=context_BTX, self_feed=self_feed, rng=rng,
+                               rank_weight=spec.rank_weight, rank_top_k=spec.rank_top_k)
 
   return loss_fn
 
 
 def _train_step(loss_spec, tx, schedule, llm_state, state: TrainState, batch):
-  loss_fn = _batch_loss(*loss_spec, llm_state, batch)
+  loss_fn = _batch_loss(loss_spec, llm_state, batch, state.step)
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -119,7 +157,7 @@ def _train_step(loss_spec, tx, schedule, llm_state, state: TrainState, batch):
 
 def _eval_step(loss_spec, llm_state, params, batch):
   """The loss and metrics of one held-out batch (no update)."""
-  loss, metrics = _batch_loss(*loss_spec, llm_state, batch)(params)
+  loss, metrics = _batch_loss(loss_spec, llm_state, batch)(params)
   return dict(metrics, loss=loss)
 
 
@@ -276,8 +314,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     save_at_stop: write a checkpoint where ``stop_after`` stops (False simulates a crash in
       tests).
     progress: show a progress bar.
-    export: at the last step, write the drafter in the reference format to
-      ``output_dir/drafter``.
+    export: at the last step, write the drafter in the reference format (redrafter-jax for a
+      multi-layer drafter) to ``output_dir/drafter``.
 
   Returns:
     A ``TrainResult``: the per-step metrics of this call, the first and last step, the
@@ -290,6 +328,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   rows = sh.process_rows(mesh, cfg.batch_size)
   llm_graphdef, llm_state, llm_shardings, llm_cfg, out_VD = _frozen_llm(preset, mesh, data_vocab)
   merge, drafter_of, params, vocab_ids_R = _trainable_drafter(preset, llm_cfg, out_VD)
+  feature_layers = merge(params).config.feature_layers
   tx, schedule = make_optimizer(cfg), make_schedule(cfg)
   repl = sh.replicated(mesh)
   state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
@@ -298,7 +337,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   data_kwargs = dict(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed,
                      pack=cfg.pack, rows=rows, vocab_size=llm_cfg.vocab_size,
                      features=cfg.features, hidden_size=llm_cfg.hidden_size,
-                     **training_shards(cfg))
+                     feature_layers=feature_layers, **training_shards(cfg))
   iterator = data_lib.make_iterator(cfg.data, **data_kwargs)
 
   ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
@@ -310,8 +349,7 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     state = TrainState(**ckpt.restore(start, abstract, iterator))
     log.info("resuming at step %d of %d", start, cfg.num_steps)
 
-  loss_spec = (llm_graphdef, drafter_of, vocab_ids_R, cfg.num_draft_steps, cfg.loss_chunk,
-               cfg.soft_targets, cfg.step_weight_decay)
+  loss_spec = LossSpec.make(llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers)
   step_fn = jax.jit(
       functools.partial(_train_step, loss_spec, tx, schedule),
       in_shardings=(llm_shardings, state_shardings, sh.batch_sharding(mesh)),
@@ -382,7 +420,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
         from redrafter_jax.weights.drafter_io import save_drafter
 
         drafter_dir = save_drafter(merge(jax.tree.map(jnp.asarray, host_params)),
-                                   out_dir / "drafter", format="reference", overwrite=True)
+                                   out_dir / "drafter", overwrite=True,
+                                   format="redrafter-jax" if feature_layers else "reference")
   ckpt.close()
   metrics_log.close()
   eval_log.close()

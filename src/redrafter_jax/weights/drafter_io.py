@@ -18,6 +18,12 @@ A drafter folder holds ``config.json`` and one unsharded safetensors file in PyT
                    and an HF base model (README "Export and MLX"). Reading a full TensorRT-LLM
                    checkpoint skips the base model's tensors.
 
+Our own format, ``redrafter-jax``, holds what the others cannot: the reference's tensors and
+fields plus a multi-layer drafter's ``feature_proj.weight`` ``[D, k*D]`` and ``feature_layers``
+in config.json, under ``model_type: "redrafter_jax_drafter"`` (so Apple's loader, which would
+silently ignore both, refuses the folder instead). The reference, MLX and TensorRT-LLM exports
+refuse a drafter with ``feature_layers``, naming the field.
+
 Our own variant of the reference layout, a compact head (``head_rows`` in config.json, see
 ``save_drafter``), stores only the draft vocabulary's head rows; it reads back as the full drafter.
 
@@ -46,12 +52,13 @@ from redrafter_jax.weights.params import flat_params, load_into
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("reference", "mlx", "trtllm")
+FORMATS = ("reference", "mlx", "trtllm", "redrafter-jax")
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS_FILE = "model.safetensors"
 TRTLLM_WEIGHTS_FILE = "rank0.safetensors"
 MODEL_TYPE = "recurrent_drafting_drafter"
+OWN_MODEL_TYPE = "redrafter_jax_drafter"  # the "redrafter-jax" format
 TRTLLM_ARCHITECTURE = "ReDrafterForCausalLM"
 # Our sidecar: token ids by frequency in the distillation data (the draft vocabulary's order).
 # Not part of any reference format, so strict loaders of model.safetensors never see it.
@@ -105,13 +112,18 @@ def name_table(layout: str, num_draft_layers: int) -> NameTable:
     return _table("reference (lm_heads.*)", layers="lm_heads", proj=("input_projs", "input_proj"))
   if layout == "sequential":
     return _table("reference (0.{i}.*)", layers="0", proj=("input_proj", "input_projs"))
+  if layout == "redrafter-jax":
+    table = _table("redrafter-jax", layers="lm_head", proj=("input_proj",))
+    return NameTable(table.name, [*table.rules,
+                                  Rule("feature_proj.kernel", "feature_proj.weight", True)])
   if layout == "trtllm":
     return _table("trtllm", layers="layers", proj=("input_proj",), head="lm_head",
                   n=num_draft_layers, prefix="drafter.")
   raise ValueError(f"unknown layout {layout!r}")
 
 
-_READ_LAYOUTS = {"reference": ("reference", "lm_heads", "sequential"), "trtllm": ("trtllm",)}
+_READ_LAYOUTS = {"reference": ("reference", "lm_heads", "sequential"), "trtllm": ("trtllm",),
+                 "redrafter-jax": ("redrafter-jax",)}
 
 
 def canonical_dtype(dtype: str) -> str:
@@ -137,6 +149,8 @@ def _config_json(cfg: DrafterConfig, fmt: str, dtype: str) -> dict[str, Any]:
   out = cfg.to_dict()
   if out.get("logit_top_k") is None:
     out.pop("logit_top_k", None)
+  if fmt == "redrafter-jax":
+    out.update(model_type=OWN_MODEL_TYPE, feature_layers=list(cfg.feature_layers))
   return out
 
 
@@ -169,7 +183,8 @@ def _compact_head(params: dict[str, Any], cfg: DrafterConfig, ranking: np.ndarra
 
 def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype: str = "float32",
                  overwrite: bool = False, head_rows: int = 0) -> pathlib.Path:
-  """Write ``drafter`` as a folder in ``format`` (reference | mlx | trtllm) at ``dtype``.
+  """Write ``drafter`` as a folder in ``format`` (reference | mlx | trtllm | redrafter-jax) at
+  ``dtype`` (only redrafter-jax holds a drafter with ``feature_layers``).
 
   ``reference`` and ``mlx`` are the same layout (MLX loads the reference's file as is). Refuses a
   non-empty ``out_dir`` unless ``overwrite``; the folder is built beside it and renamed into
@@ -184,11 +199,15 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
   """
   if format not in FORMATS:
     raise ConfigError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
-  if head_rows and format != "reference":
+  cfg = drafter.config
+  if cfg.feature_layers and format != "redrafter-jax":
+    raise ConfigError(f"the {format} format cannot hold drafter.feature_layers="
+                      f"{list(cfg.feature_layers)} (a multi-layer drafter): save it with "
+                      f"format='redrafter-jax'")
+  if head_rows and format not in ("reference", "redrafter-jax"):
     raise ConfigError(f"a compact head (head_rows) is this library's own variant of the "
                       f"reference layout; the {format} format needs the full head")
   dtype = canonical_dtype(dtype)
-  cfg = drafter.config
   if drafter.vocab_ids is not None:
     raise ConfigError("cannot export a drafter with a restricted draft vocabulary; export the "
                       "full drafter (restriction is an inference-time option)")
@@ -196,7 +215,8 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
   params = flat_params(drafter)
   if head_rows:
     params = _compact_head(params, cfg, ranking_V, head_rows)
-  table = name_table("trtllm" if format == "trtllm" else "reference", cfg.num_draft_layers)
+  layout = format if format in ("trtllm", "redrafter-jax") else "reference"
+  table = name_table(layout, cfg.num_draft_layers)
   tensors = {name: np.ascontiguousarray(np.asarray(jnp.asarray(value, DTYPES[dtype])))
              for name, value in table.export_arrays(params).items()}
   config = _config_json(cfg, format, dtype)
@@ -272,6 +292,11 @@ def read_config(folder: pathlib.Path) -> tuple[str, dict[str, Any]]:
     # A full TensorRT-LLM config also describes the base model: only the drafter's fields count.
     return "trtllm", {ours: raw[theirs] for theirs, ours in _TRTLLM_FIELDS.items() if theirs in raw}
   model_type = raw.get("model_type", MODEL_TYPE)
+  if model_type == OWN_MODEL_TYPE:
+    return "redrafter-jax", {k: v for k, v in raw.items() if k not in _REFERENCE_EXTRA_FIELDS}
+  if "feature_layers" in raw:
+    raise ConfigError(f"{path}: feature_layers (a multi-layer drafter) needs model_type "
+                      f"{OWN_MODEL_TYPE!r}, the redrafter-jax format")
   if model_type != MODEL_TYPE:
     raise WeightsError(f"{path}: model_type {model_type!r} is not a drafter (expected "
                        f"{MODEL_TYPE!r}, or TensorRT-LLM's redrafter_* fields)")
@@ -312,8 +337,9 @@ def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def _describe(cfg: DrafterConfig) -> str:
+  layers = f", feature_layers={list(cfg.feature_layers)}" if cfg.feature_layers else ""
   return (f"vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, exit_dim={cfg.exit_dim}, "
-          f"num_draft_layers={cfg.num_draft_layers}, rnn={cfg.rnn}")
+          f"num_draft_layers={cfg.num_draft_layers}, rnn={cfg.rnn}{layers}")
 
 
 def _pick_layout(names, fmt: str, n: int) -> tuple[NameTable, list[str]]:

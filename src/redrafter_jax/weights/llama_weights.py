@@ -212,9 +212,12 @@ def read_llama(source) -> tuple[LlamaConfig, dict[str, np.ndarray], pathlib.Path
 
 
 def load_llama(source, *, dtype=jnp.float32, param_dtype=None, backend: str = "xla",
-               sharding=None, scan_layers: bool = False) -> tuple[Llama, LlamaConfig]:
+               sharding=None, scan_layers: bool = False,
+               invariant: bool = False) -> tuple[Llama, LlamaConfig]:
   """The model and its config. ``dtype``: activations and KV cache; ``param_dtype``: the weights
   (None: ``dtype``). Float32 activations with bfloat16 weights is the fast CPU setting.
+  ``invariant``: the invariant mode (``Llama``: identical greedy tokens at any batch and tree,
+  bfloat16 included, at a cost in time).
   ``scan_layers``: run the layers as a scan (``llama.stack_layers``; with ``sharding``, place
   the stacked model again with ``sharding.shard_module``)."""
   check_backend(backend)
@@ -225,7 +228,7 @@ def load_llama(source, *, dtype=jnp.float32, param_dtype=None, backend: str = "x
   ours = HF_TABLE.import_arrays(tensors, ignore=_ignored)
   # Loaded in the checkpoint's layout (so errors name its tensors), then stored the fast way.
   model = load_into(abstract_llama(cfg, dtype=dtype, param_dtype=param_dtype, backend=backend,
-                                   weight_layout="oi"),
+                                   weight_layout="oi", invariant=invariant),
                     ours, dtype=param_dtype, source=str(path), sharding=sharding)
   model = to_layout(model, preferred_layout(param_dtype))
   return (stack_layers(model) if scan_layers else model), cfg

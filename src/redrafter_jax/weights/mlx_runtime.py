@@ -11,6 +11,11 @@ search as ``redrafter_jax.inference.beam_search`` (DESIGN §5):
   * ``beams_BWL`` holds g0 in column 0 (L counts g0: L - 1 drafted tokens), ``logp_BWJ`` the
     drafter's log-prob of each drafted token along its beam, ``score_BW`` the beam scores.
 
+A multi-layer drafter (``feature_layers``, the ``redrafter-jax`` format: the reference's tensors
+plus ``feature_proj.weight``) loads and runs too: ``beam_search`` then takes the LLM's
+concatenated layer states ``[B, k*D]`` and projects them first, as ``Drafter.context`` does.
+Apple's own MLX code cannot run it (it has no ``feature_proj``).
+
 Ties in the top-W are broken arbitrarily (MLX's partition), unlike ``lax.top_k``'s lowest index.
 ``mlx`` is imported inside functions, so the package imports without it (``pip install
 redrafter_jax[mlx]``; ``mlx[cpu]`` on Linux). Smoke run::
@@ -76,6 +81,8 @@ def _drafter_class():
       if cfg.rnn:
         self.rnn_u = nn.Linear(D, D, bias=True)
         self.rnn_w = nn.Linear(D, D, bias=False)
+      if cfg.feature_layers:
+        self.feature_proj = nn.Linear(cfg.context_width, D, bias=False)
 
     @property
     def dtype(self):
@@ -83,6 +90,12 @@ def _drafter_class():
 
     def init_state(self, h_xD):
       return mx.zeros(h_xD.shape, self.dtype)
+
+    def context(self, feats_xX):
+      """h from the LLM's features: as is, or ``feature_proj`` of the layer states."""
+      if not self.config.feature_layers:
+        return feats_xX
+      return self.feature_proj(feats_xX.astype(self.dtype))
 
     def recur(self, s_xD, prev_emb_xD):
       prev_emb_xD = prev_emb_xD.astype(self.dtype)
@@ -130,9 +143,9 @@ def load_mlx_drafter(path, *, dtype: str | None = None):
   if not (folder / "config.json").is_file():
     raise WeightsError(f"{folder}: no config.json (expected an MLX / reference drafter folder)")
   fmt, fields = drafter_io.read_config(folder)
-  if fmt != "reference":
+  if fmt not in ("reference", "redrafter-jax"):
     raise WeightsError(f"{folder}: a {fmt} drafter; MLX loads the reference layout "
-                       f"(redrafter-jax export --format mlx)")
+                       f"(redrafter-jax export --format mlx) or the redrafter-jax one")
   if fields.get(drafter_io.HEAD_ROWS_FIELD):
     raise WeightsError(f"{folder}: its head keeps only the draft vocabulary's rows "
                        f"({drafter_io.HEAD_ROWS_FIELD} in config.json), which the reference's "
@@ -174,7 +187,8 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
   """Draft ``beam_width`` beams of ``beam_length`` tokens (g0 included) with MLX ops.
 
   ``embed_VD`` is the LLM's input embedding table, ``h_BD`` its last hidden state (after the
-  final norm) and ``g0_B`` the token it chose; arrays may be NumPy or MLX.
+  final norm; for a drafter with ``feature_layers``, its concatenated layer states ``[B, k*D]``)
+  and ``g0_B`` the token it chose; arrays may be NumPy or MLX.
   """
   mx, _ = _mlx()
   W, L = beam_width, beam_length
@@ -182,12 +196,15 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
     raise ValueError(f"need beam_width >= 1 and beam_length >= 2, got {W}, {L}")
   embed_VD, h_BD = mx.array(embed_VD), mx.array(h_BD)
   g0_B = mx.array(g0_B).astype(mx.int32)
-  B, D = h_BD.shape
+  B, X = h_BD.shape
   V = embed_VD.shape[0]
-  if V != drafter.config.vocab_size or D != drafter.config.hidden_size:
-    raise ValueError(f"embedding table [{V}, {embed_VD.shape[1]}] / hidden [{B}, {D}] do not "
+  if V != drafter.config.vocab_size or X != drafter.config.context_width:
+    raise ValueError(f"embedding table [{V}, {embed_VD.shape[1]}] / hidden [{B}, {X}] do not "
                      f"fit the drafter (vocab_size={drafter.config.vocab_size}, "
-                     f"hidden_size={drafter.config.hidden_size})")
+                     f"hidden_size={drafter.config.hidden_size}, context width "
+                     f"{drafter.config.context_width})")
+  h_BD = drafter.context(h_BD)
+  D = h_BD.shape[-1]
   score_BW = mx.broadcast_to(
       mx.array([0.0] + [REFERENCE_CUT_VALUE] * (W - 1), mx.float32), (B, W))
   h_BWD = mx.broadcast_to(h_BD[:, None, :], (B, W, D))
@@ -218,8 +235,9 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
 # Smoke entry point.
 
 
-def _llm_inputs(source: str, prompt: str):
-  """Embedding table, last hidden state, g0 and the tokenizer from a base LLM run in JAX."""
+def _llm_inputs(source: str, prompt: str, layers=()):
+  """Embedding table, last hidden state (or the states of ``layers``), g0 and the tokenizer
+  from a base LLM run in JAX."""
   import jax.numpy as jnp
 
   from redrafter_jax.models import kv_cache as kvc
@@ -233,6 +251,8 @@ def _llm_inputs(source: str, prompt: str):
   positions_BT = jnp.arange(len(ids))[None]
   mask_BTT = kvc.causal_mask(jnp.ones_like(tokens_BT, bool))
   logits_BTV, hidden_BTD, _ = model(tokens_BT, positions_BT, mask_BTT, None)
+  if layers:
+    _, hidden_BTD, _ = model.forward_layers(tokens_BT, positions_BT, mask_BTT, layers=layers)
   embed_VD = np.asarray(model.embed_tokens.embedding[...], np.float32)
   g0_B = np.asarray(jnp.argmax(logits_BTV[:, -1], axis=-1), np.int32)
   return embed_VD, np.asarray(hidden_BTD[:, -1], np.float32), g0_B, tok
@@ -259,11 +279,11 @@ def main(argv=None) -> int:
   cfg = drafter.config
   tok = None
   if args.llm:
-    embed_VD, h_BD, g0_B, tok = _llm_inputs(args.llm, args.prompt)
+    embed_VD, h_BD, g0_B, tok = _llm_inputs(args.llm, args.prompt, cfg.feature_layers)
   else:
     rng = np.random.default_rng(args.seed)
     embed_VD = rng.normal(size=(cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
-    h_BD = rng.normal(size=(1, cfg.hidden_size)).astype(np.float32)
+    h_BD = rng.normal(size=(1, cfg.context_width)).astype(np.float32)
     g0_B = np.zeros((1,), np.int32)
   start = time.perf_counter()
   out = beam_search(drafter, embed_VD, h_BD, g0_B, beam_width=args.beam_width,

@@ -80,20 +80,27 @@ def param_dtype_for(path, requested: str | None = None) -> str:
 
 def recommended_config(path, *, beam_width: int | None = None, beam_length: int | None = None,
                        lookup_ngram: int | None = None, token_budget: int | None = None,
-                       max_new_tokens: int = 128):
+                       draft_vocab_size: int | None = None, max_new_tokens: int = 128,
+                       **fields):
   """A ``DecodeConfig`` from the drafter's ``decode.json`` with the given values overriding it
-  (None = the drafter's own). The recorded token budget belongs to the recorded tree: when W, L
-  or the lookup beam is overridden and no budget is given, the whole tree is verified. Raises
-  ``ConfigError`` for settings that do not fit together."""
+  (None = the drafter's own; without a decode.json: W=4, L=5, no lookup, the whole tree and
+  vocabulary). The recorded token budget belongs to the recorded tree: when W, L or the lookup
+  beam is overridden and no budget is given, the whole tree is verified. ``fields``: other
+  ``DecodeConfig`` fields (e.g. ``acceptance``). Raises ``ConfigError`` for settings that do not
+  fit together. ``inference.defaults.decode_settings`` adds the per-device tree choice."""
   from redrafter_jax.config import DecodeConfig
 
   d = decode_defaults(path)
-  own_tree = beam_width is None and beam_length is None and lookup_ngram is None
-  if token_budget is None and own_tree:
+  if token_budget is None and not tree_overridden(beam_width, beam_length, lookup_ngram):
     token_budget = d.get("token_budget")
   return DecodeConfig(
       beam_width=d.get("beam_width", 4) if beam_width is None else beam_width,
       beam_length=d.get("beam_length", 5) if beam_length is None else beam_length,
       lookup_ngram=d.get("lookup_ngram", 0) if lookup_ngram is None else lookup_ngram,
-      token_budget=token_budget, draft_vocab_size=int(d.get("draft_vocab_size", 0)),
-      max_new_tokens=max_new_tokens)
+      token_budget=token_budget, draft_vocab_size=draft_vocab_for(path, draft_vocab_size),
+      max_new_tokens=max_new_tokens, **fields)
+
+
+def tree_overridden(*values) -> bool:
+  """Whether any of the tree's settings (W, L, lookup n-gram, token budget) was given."""
+  return any(v is not None for v in values)

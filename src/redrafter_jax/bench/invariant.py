@@ -1,0 +1,184 @@
+"""``python -m redrafter_jax.bench invariant``: the invariant mode on the real model, bfloat16:
+the same tokens at every batch and tree, and what that costs.
+
+With ``load_llama(..., invariant=True)`` (bfloat16 activations and weights), on the chat-
+templated Spec-Bench prompts (``--num-prompts`` spread over the file), greedy, exactly
+``--max-new-tokens`` each (no stop token), it runs
+
+  reference    AR, batch 1
+  AR b4        AR, batch 4 (consecutive prompts of the run)
+  RD shipped   ReDrafter at the drafter's own tree (its ``decode.json``), batch 1 and 4
+  RD 4x5       ReDrafter at W=4, L=5, the whole tree (no lookup beam), batch 1 and 4
+
+and prints, per prompt, "same" or the first index where each run differs from the reference,
+then the summary line. The default (non-invariant) model runs AR at batch 1 and 4 too, as the
+control: its batch-4 differences are the batch-shape noise the invariant mode removes.
+
+Cost: milliseconds per new token (wall time of a call, prefill included, compile excluded by an
+untimed first call of every shape) of AR batch 1 and ReDrafter (shipped tree) batch 1, for the
+default and the invariant model, interleaved prompt by prompt in the same run, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+
+def parse_args(argv) -> argparse.Namespace:
+  from redrafter_jax.bench.ar import DEFAULT_PROMPTS
+
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench invariant",
+                              description=__doc__.strip().splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="\n".join(__doc__.strip().splitlines()[2:]))
+  p.add_argument("--prompts", type=pathlib.Path, default=DEFAULT_PROMPTS,
+                 help="Spec-Bench jsonl ({'prompt': ...} per line)")
+  p.add_argument("--num-prompts", type=int, default=40, help="prompts, spread over the file")
+  p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+  p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
+  p.add_argument("--drafter", default="shipped",
+                 help="drafter folder, 'shipped' (checkpoints/) or 'random'")
+  p.add_argument("--batch", type=int, default=4, help="the batched runs' batch size")
+  p.add_argument("--no-cost", action="store_true", help="skip the timing of both modes")
+  p.add_argument("--out", type=pathlib.Path, default=None, help="also write the report here")
+  o = p.parse_args(argv)
+  for name in ("num_prompts", "max_new_tokens", "batch"):
+    if getattr(o, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+  return o
+
+
+def trees(drafter_spec: str, max_new_tokens: int) -> dict:
+  """The two ReDrafter settings: the drafter's own tree and W=4 L=5 whole, greedy."""
+  from redrafter_jax.config import DecodeConfig
+
+  if drafter_spec == "random":
+    shipped = DecodeConfig(beam_width=4, beam_length=4, max_new_tokens=max_new_tokens)
+  else:
+    from redrafter_jax.weights.shipped import recommended_config, resolve_drafter
+
+    shipped = recommended_config(resolve_drafter(drafter_spec), max_new_tokens=max_new_tokens)
+  whole = DecodeConfig(beam_width=4, beam_length=5, max_new_tokens=max_new_tokens,
+                       draft_vocab_size=shipped.draft_vocab_size)
+  return {"RD shipped": shipped, "RD 4x5": whole}
+
+
+def batched(call, prompts: list, size: int) -> list[list[int]]:
+  out = []
+  for i in range(0, len(prompts), size):
+    out += call(prompts[i:i + size])
+  return out
+
+
+def first_difference(ref: list[int], other: list[int]) -> int | None:
+  """The first index where ``other`` differs from ``ref`` (None: the same tokens)."""
+  n = min(len(ref), len(other))
+  t = next((i for i in range(n) if ref[i] != other[i]), n)
+  return None if t == n and len(ref) == len(other) else t
+
+
+def timed_per_token(call, prompts: list) -> float:
+  """Milliseconds per new token of ``call([prompt])`` over the prompts, each called once
+  untimed first (its compile) and once timed."""
+  seconds, tokens = 0.0, 0
+  for p in prompts:
+    call([p])
+    t = time.perf_counter()
+    out = call([p])
+    seconds += time.perf_counter() - t
+    tokens += len(out[0])
+  return 1e3 * seconds / max(tokens, 1)
+
+
+def run(o) -> str:
+  import jax.numpy as jnp
+
+  from redrafter_jax.bench._common import load_drafter_arg
+  from redrafter_jax.bench.ar import read_prompts
+  from redrafter_jax.inference.ar import generate
+  from redrafter_jax.inference.decode import ReDrafter
+  from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+  from redrafter_jax.weights.tokenizer import encode, load_tokenizer
+
+  bf16 = jnp.bfloat16
+  models = {mode: load_llama(o.model, dtype=bf16, param_dtype=bf16, invariant=mode == "inv")[0]
+            for mode in ("default", "inv")}
+  cfg = models["inv"].config
+  drafter = load_drafter_arg(o.drafter, cfg, 256, dtype=bf16)
+  tok = load_tokenizer(resolve_source(o.model))
+  prompts = [encode(tok, row["prompt"], chat=True)
+             for row in read_prompts(o.prompts, o.num_prompts)]
+  N = o.max_new_tokens
+  ar = {mode: (lambda ps, m=m: generate(m, ps, max_new_tokens=N).tokens)
+        for mode, m in models.items()}
+  rd = {(mode, name): ReDrafter(m, drafter, c)
+        for mode, m in models.items() for name, c in trees(o.drafter, N).items()}
+
+  runs = {"AR b1": batched(ar["inv"], prompts, 1),
+          f"AR b{o.batch}": batched(ar["inv"], prompts, o.batch)}
+  for name in trees(o.drafter, N):
+    call = lambda ps, r=rd[("inv", name)]: r(ps).tokens
+    runs[f"{name} b1"] = batched(call, prompts, 1)
+    runs[f"{name} b{o.batch}"] = batched(call, prompts, o.batch)
+  control = {"AR b1": batched(ar["default"], prompts, 1),
+             f"AR b{o.batch}": batched(ar["default"], prompts, o.batch)}
+  return report(o, prompts, runs, control, None if o.no_cost else cost(prompts, ar, rd))
+
+
+def cost(prompts, ar, rd) -> dict:
+  """ms per new token, per (method, mode), interleaved prompt by prompt."""
+  calls = {("AR b1", mode): ar[mode] for mode in ("default", "inv")}
+  calls.update({("RD shipped b1", mode): (lambda ps, r=rd[(mode, "RD shipped")]: r(ps).tokens)
+                for mode in ("default", "inv")})
+  totals = {key: 0.0 for key in calls}
+  for p in prompts:
+    for key, call in calls.items():
+      totals[key] += timed_per_token(call, [p]) / len(prompts)
+  return totals
+
+
+def report(o, prompts, runs: dict, control: dict, costs: dict | None) -> str:
+  ref = runs["AR b1"]
+  keys = [k for k in runs if k != "AR b1"]
+  ckey = f"AR b{o.batch}"
+  head = ["prompt", "tokens"] + keys + [f"default {ckey}"]
+  lines = [f"# Invariant mode, {o.model}, bfloat16 activations and weights, greedy, "
+           f"{o.max_new_tokens} new tokens; drafter {o.drafter}", "",
+           "Each run against AR batch 1 of the invariant model: `same`, or the first index "
+           "(into the new tokens) where it differs. The last column is the default model's AR "
+           f"batch {o.batch} against its own AR batch 1 (the control).", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  cells = lambda d: "same" if d is None else f"differs at {d}"
+  for i, p in enumerate(prompts):
+    row = [str(i), str(len(p))] + [cells(first_difference(ref[i], runs[k][i])) for k in keys]
+    row.append(cells(first_difference(control["AR b1"][i], control[ckey][i])))
+    lines.append("| " + " | ".join(row) + " |")
+  n = len(prompts)
+  same = {k: sum(first_difference(ref[i], runs[k][i]) is None for i in range(n)) for k in keys}
+  all_same = sum(all(first_difference(ref[i], runs[k][i]) is None for k in keys)
+                 for i in range(n))
+  ctrl = sum(first_difference(control["AR b1"][i], control[ckey][i]) is None for i in range(n))
+  lines += ["", f"Invariant: every run equals AR batch 1 on {all_same}/{n} prompts ("
+            + ", ".join(f"{k} {v}/{n}" for k, v in same.items())
+            + f"). Default control: AR b{o.batch} equals AR b1 on {ctrl}/{n}."]
+  if costs:
+    lines += ["", "| method | default ms/token | invariant ms/token | ratio |", "|---|---|---|---|"]
+    for method in ("AR b1", "RD shipped b1"):
+      d, v = costs[(method, "default")], costs[(method, "inv")]
+      lines.append(f"| {method} | {d:.1f} | {v:.1f} | {v / d:.2f}x |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  from redrafter_jax.bench._common import emit
+
+  o = parse_args(argv)
+  emit(run(o), o.out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

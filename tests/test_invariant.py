@@ -1,0 +1,155 @@
+"""The invariant mode: identical greedy tokens in bfloat16 at any batch, tree, cache and bucket.
+
+A tiny random model in bfloat16 activations and weights (wide enough for XLA:CPU's matmuls to
+take their shape-dependent paths). With ``invariant=True``, ``generate`` at batch 1 must equal
+it at batch 3 and 5 (rows of different lengths) and at another cache size, and ``decode`` at
+several trees (the lookup beam, an oracle that gets drafts accepted, a budget cut, small
+context buckets) and batch sizes must equal it too: token for token, no tolerance.
+
+That the same comparison catches a difference: the default model with a planted row-count-
+dependent perturbation of every projection (the kind of noise a shape-dependent kernel makes)
+must differ; the invariant model, whose projections do not go through that code, must not.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from oracle import OracleDrafter
+from redrafter_jax.config import DecodeConfig, DrafterConfig, LlamaConfig
+from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.decode import ReDrafter, decode
+from redrafter_jax.models import invariant as inv
+from redrafter_jax.models import linear
+from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.llama import Llama
+
+V = 256
+CFG = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=256, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+NEW = 32
+_rng = np.random.default_rng(0)
+PROMPTS = [_rng.integers(1, V, size=int(n)).tolist() for n in _rng.integers(1, 40, size=10)]
+
+
+def bf16_llm(invariant: bool) -> Llama:
+  return Llama(CFG, dtype=jnp.bfloat16, invariant=invariant, rngs=nnx.Rngs(0))
+
+
+def in_batches(model, size: int, **kwargs) -> list[list[int]]:
+  out = []
+  for i in range(0, len(PROMPTS), size):
+    out += generate(model, PROMPTS[i:i + size], max_new_tokens=NEW, **kwargs).tokens
+  return out
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> list[int]:
+  """Indices of the prompts whose tokens differ (the test's whole comparison: exact)."""
+  assert len(a) == len(b)
+  return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return bf16_llm(True)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+  """Each prompt generated alone (batch 1): the reference every other setting must equal."""
+  return [generate(llm, [p], max_new_tokens=NEW).tokens[0] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def drafter():
+  return Drafter(DrafterConfig(vocab_size=V, hidden_size=CFG.hidden_size, exit_dim=48),
+                 rngs=nnx.Rngs(1))
+
+
+@pytest.mark.parametrize("size", [3, 5])
+def test_generate_same_tokens_at_any_batch(llm, alone, size):
+  assert differing(alone, in_batches(llm, size)) == []
+
+
+def test_generate_same_tokens_at_another_cache_size(llm, alone):
+  assert differing(alone, in_batches(llm, 4, cache_size=384)) == []
+
+
+@pytest.mark.parametrize("cfg,batch", [
+    (DecodeConfig(beam_width=4, beam_length=5, max_new_tokens=NEW), 4),
+    (DecodeConfig(beam_width=3, beam_length=4, max_new_tokens=NEW, token_budget=6), 1),
+    (DecodeConfig(beam_width=2, beam_length=4, max_new_tokens=NEW, lookup_ngram=2), 5),
+])
+def test_decode_same_tokens_at_any_tree_and_batch(llm, alone, drafter, cfg, batch):
+  redrafter = ReDrafter(llm, drafter, cfg, min_bucket=64)  # buckets 64, 128: widths change
+  out = []
+  for i in range(0, len(PROMPTS), batch):
+    out += redrafter(PROMPTS[i:i + batch]).tokens
+  assert differing(alone, out) == []
+
+
+@pytest.mark.parametrize("W,L,batch", [(3, 4, 4), (4, 6, 2)])
+def test_decode_with_accepted_drafts_same_tokens(llm, alone, W, L, batch):
+  """An oracle's drafts are accepted to every depth: committed paths of every length."""
+  ref = np.asarray([t + [0] * (NEW - len(t)) for t in alone])
+  out, accepted = [], 0
+  for i in range(0, len(PROMPTS), batch):
+    result = decode(llm, OracleDrafter(ref[i:i + batch], V), PROMPTS[i:i + batch],
+                    DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=NEW))
+    out += result.tokens
+    accepted += result.metrics["accepted_tokens"]
+  assert accepted > len(PROMPTS) * NEW // 4  # the trees' deeper tokens were really used
+  assert differing(alone, out) == []
+
+
+def _noisy_project(project):
+  """``project`` whose result depends on the row count, as a shape-picked kernel's does: each
+  output is scaled by ``1 + 2^-7 * sin(rows * column)`` (about one bfloat16 rounding step)."""
+  def noisy(x_xI, w, dtype, **kwargs):
+    y = project(x_xI, w, dtype, **kwargs)
+    rows = int(np.prod(x_xI.shape[:-1]))
+    wobble = jnp.sin(rows * jnp.arange(y.shape[-1], dtype=jnp.float32)) * 2.0 ** -7
+    wobble = wobble.reshape((1,) * (y.ndim - 1) + (-1,))
+    return (y.astype(jnp.float32) * (1 + wobble)).astype(y.dtype)
+  return noisy
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_the_comparison_catches_shape_dependent_sums(monkeypatch, invariant):
+  """With row-count noise planted in ``linear.project``, batch 1 vs batch 5 differs for the
+  default model, so the comparison above can fail; the invariant model never calls it."""
+  monkeypatch.setattr(linear, "project", _noisy_project(linear.project))
+  jax.clear_caches()  # programs traced before the patch must not be reused
+  try:
+    model = bf16_llm(invariant)
+    one = [generate(model, [p], max_new_tokens=NEW).tokens[0] for p in PROMPTS]
+    found = differing(one, in_batches(model, 5))
+  finally:
+    jax.clear_caches()
+  assert (found == []) == invariant, found
+
+
+def test_projection_rows_do_not_depend_on_the_row_count():
+  w = jax.random.normal(jax.random.key(0), (192, 576)).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (40, 576)).astype(jnp.bfloat16)
+  ref = np.asarray(inv.project_invariant(x[:1], w, jnp.float32))[0]
+  for rows in (2, 3, 5, 17, 40):
+    y = np.asarray(jax.jit(lambda x: inv.project_invariant(x, w, jnp.float32))(x[:rows][::-1]))
+    np.testing.assert_array_equal(y[rows - 1], ref)
+  tiled = np.asarray(inv.project_invariant(x[:17][::-1], w, jnp.float32, cpu=False))[16]
+  np.testing.assert_array_equal(
+      tiled, np.asarray(inv.project_invariant(x[:1], w, jnp.float32, cpu=False))[0])
+
+
+def test_tree_keys_put_ancestors_in_ar_positions():
+  # Packed tree of 4 tokens: root(0) -> a(1) -> c(3); root -> b(2); row length 3.
+  depth = jnp.asarray([[0, 1, 1, 2]])
+  mask = jnp.asarray([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], bool)
+  virtual, mask_BNS = inv.tree_keys(jnp.asarray([3]), depth, mask, 8)
+  src = np.asarray(virtual.src_BTS)[0]
+  vis = np.asarray(mask_BNS)[0]
+  np.testing.assert_array_equal(src[3, :6], [0, 1, 2, 3, 4, 6])  # c sees root, a, itself
+  np.testing.assert_array_equal(src[2, :5], [0, 1, 2, 3, 5])  # b sees root, itself
+  np.testing.assert_array_equal(vis.sum(axis=1), [4, 5, 5, 6])
