@@ -247,3 +247,12 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
     smaller.close()
   with pytest.raises(server.ConfigError, match="--trees"):
     server.with_smaller_trees(fixed.engine.config, ["1x"])
+
+
+def test_server_refuses_a_multi_layer_drafter_in_one_line():
+  from redrafter_jax.config import ConfigError, Preset
+  from redrafter_jax.serving import server
+
+  preset = Preset(model="random:tiny", drafter=dict(feature_layers=[0, 1]))
+  with pytest.raises(ConfigError, match=r"drafter.feature_layers \[0, 1\]"):
+    server.build(preset, slots=2, max_context=128, max_tokens=16, random_drafter=True)

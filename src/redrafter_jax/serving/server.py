@@ -211,6 +211,11 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   drafter = None
   if engine_config.speculative:
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
+    if drafter.config.feature_layers:
+      raise ConfigError(f"the server cannot serve a drafter that reads several LLM layers yet "
+                        f"(drafter.feature_layers {list(drafter.config.feature_layers)}): its "
+                        "slot batch carries the last hidden state only; serve a reference-format "
+                        "drafter, or decode with rj.ReDrafter")
     folder = None
     if not random_drafter:
       folder = drafter_folder(preset, drafter_path)
