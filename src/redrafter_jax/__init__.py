@@ -2,7 +2,7 @@
 
 The curated public API; everything else is importable from its module (the packages follow the
 data: ``models`` -> ``weights`` -> ``inference`` -> ``training`` / ``serving`` -> ``bench`` /
-``commands``; README "Layout").
+``commands``; docs/design.md, "Layout of the source").
 """
 
 from redrafter_jax.config import (DecodeConfig, DrafterConfig, LlamaConfig, Preset, TrainConfig,

@@ -1,5 +1,5 @@
 """``redrafter-jax export``: write a drafter in the reference / MLX layout, or as the drafter's
-part of a TensorRT-LLM checkpoint (README "Export and MLX": TensorRT-LLM's own converter builds
+part of a TensorRT-LLM checkpoint (docs/export.md: TensorRT-LLM's own converter builds
 the whole checkpoint from the reference layout)."""
 
 from redrafter_jax.weights import drafter_io

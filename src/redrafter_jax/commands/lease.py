@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-HELP = "plan, run, dry-run or collect a GPU lease (see the README's GPU section)"
+HELP = "plan, run, dry-run or collect a GPU lease (docs/gpu.md)"
 REPO = pathlib.Path.cwd
 
 

@@ -16,7 +16,7 @@ def add_arguments(p):
                  help="end this call after N steps, with a checkpoint (rerun to continue)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--no-export", action="store_true", help="do not export the drafter at the end")
-  dist = p.add_argument_group("multi-process (one process per host; see README)")
+  dist = p.add_argument_group("multi-process (one process per host; docs/training.md)")
   dist.add_argument("--coordinator", default=None, help="host:port of process 0's coordinator")
   dist.add_argument("--num-processes", type=int, default=None)
   dist.add_argument("--process-id", type=int, default=None)

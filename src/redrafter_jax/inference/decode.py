@@ -299,7 +299,7 @@ class ReDrafter:
       A ``DecodeResult``: each row's new tokens, whether it stopped on a stop token, the number
       of loop steps, and the speculative metrics (``summarize``).
 
-    Greedy rows return the LLM's own greedy continuation (see README, "Exactness").
+    Greedy rows return the LLM's own greedy continuation (docs/decoding.md, "Exactness").
     """
     p = self.prepare(prompts, seed=seed, stop_ids=stop_ids, temperature=temperature,
                      top_p=top_p, top_k=top_k, cache_size=cache_size)

@@ -22,10 +22,10 @@ dimension, contracting dimension where the matmul reads it), so the cache is nev
 reshaped inside a step. That matters beyond the transpose itself: XLA:CPU duplicates an in-place
 update that feeds a reshape, and then copies the whole buffer to keep both copies right: with the
 earlier ``[B, K, S, E]`` layout an AR step made such copies of many cache layers, plus a transpose
-of every K (``bench profile --mode ar`` shows them; README, "Layout"). Head-major ``X`` keeps a
+of every K (``bench profile --mode ar`` shows them; docs/design.md). Head-major ``X`` keeps a
 split over kv heads (tensor parallel serving) a split of the leading axis. Each layer's array is
 its own buffer so a layer's update is in place, where one stacked ``[layers, ...]`` array is
-copied whole (README, "Layout").
+copied whole (docs/design.md).
 
 Stacked (``stacked=True``): ``k``/``v`` each hold ONE array ``[L, ...]`` (the layout's shape with
 a leading layer axis), which is what a model that scans over its layers carries through the scan

@@ -12,7 +12,7 @@ activations' dtype). With float32 weights that is the plain float32 matmul. With
 and float32 activations ("bf16 weights") every matmul reads half the bytes and takes XLA:CPU's
 bf16 GEMM path, which on CPUs with AVX512-BF16/AMX makes a forward over a few new tokens cost
 about what one token does, so a small verified tree costs about an AR step (the measurements:
-README, "Results"; ``python -m redrafter_jax.bench ar --forward-tokens``).
+results/README.md; ``python -m redrafter_jax.bench ar --forward-tokens``).
 Facts of XLA:CPU and of rounding that shape this code:
 
 - the ``[out, in]`` layout (contract the last axis of both operands) is served by the GEMM
@@ -22,7 +22,7 @@ Facts of XLA:CPU and of rounding that shape this code:
   results are summed: x keeps ~16 of its 24 mantissa bits. Rounding x to bf16 alone turns the
   float32-level differences between two ways of computing the same activations (an AR step and
   a tree verify) into whole bf16 rounding steps, and greedy ReDrafter then left AR's path on
-  real prompts (README, "Results"); with the split it follows it;
+  real prompts (results/README.md); with the split it follows it;
 - a low-precision matmul with a single row is lowered to a slow generic loop: a single bf16 row
   (bf16 activations) is duplicated to two and one result kept. A split float32 row is two rows
   already.
@@ -57,7 +57,7 @@ def on_cpu() -> bool:
 def preferred_layout(param_dtype, *, cpu: bool | None = None) -> str:
   """The layout projections with ``param_dtype`` weights are stored in by default: ``io`` for
   float32 weights on a CPU (XLA:CPU's small-row matmuls are faster with the contraction on the
-  weight's leading axis: README "Results"), ``oi`` otherwise (bfloat16 weights on a CPU, see
+  weight's leading axis: results/README.md), ``oi`` otherwise (bfloat16 weights on a CPU, see
   above; GPUs and TPUs, whose compilers pick their own operand layouts)."""
   cpu = on_cpu() if cpu is None else cpu
   return "io" if cpu and jnp.dtype(param_dtype) == jnp.float32 else "oi"
@@ -83,7 +83,7 @@ def preferred_param_dtype(*, cpu: bool | None = None, bf16: bool | None = None) 
 
   On a CPU with bf16 dot-product instructions, bfloat16 weights take XLA:CPU's bf16 GEMM path
   and read half the bytes: AR and ReDrafter both ran faster with them than with float32 weights
-  (README "Results", an AVX512-BF16 EPYC and an AMX Xeon). Without such instructions bf16 math
+  (results/README.md, an AVX512-BF16 EPYC and an AMX Xeon). Without such instructions bf16 math
   is emulated, so float32. Off the CPU, bfloat16 (half the bytes read per step)."""
   cpu = on_cpu() if cpu is None else cpu
   if not cpu:

@@ -15,7 +15,7 @@ A drafter folder holds ``config.json`` and one unsharded safetensors file in PyT
                    build fields (``redrafter_num_beams``, ``redrafter_draft_len_per_beam``,
                    ``redrafter_greedy_search``). A whole checkpoint comes from TensorRT-LLM's own
                    ``examples/redrafter/convert_checkpoint.py``, which reads the reference layout
-                   and an HF base model (README "Export and MLX"). Reading a full TensorRT-LLM
+                   and an HF base model (docs/export.md). Reading a full TensorRT-LLM
                    checkpoint skips the base model's tensors.
 
 Our own format, ``redrafter-jax``, holds what the others cannot: the reference's tensors and
