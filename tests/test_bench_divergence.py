@@ -148,15 +148,7 @@ def test_fill_gaps_computes_each_missing_gap_once(monkeypatch):
 def tiny(tmp_path_factory):
   """A tiny HF Llama folder with a word-level tokenizer, and Spec-Bench-style prompts for it."""
   root = tmp_path_factory.mktemp("divergence")
-  model = tiny_models.save_tokenizer(
-      tiny_models.save(tiny_models.hf_model("llama", seed=3), root / "model"))
-  lines = [json.dumps(dict(id=f"p{i}", source="test", category=cat,
-                           prompt=" ".join(f"w{(7 * i + j) % 100}" for j in range(n))))
-           for i, (cat, n) in enumerate([("writing", 9), ("writing", 5), ("qa", 12), ("qa", 6),
-                                         ("math", 4)])]
-  prompts = root / "prompts.jsonl"
-  prompts.write_text("\n".join(lines) + "\n")
-  return model, prompts
+  return tiny_models.bench_inputs(root)
 
 
 def bench_args(tiny, out, *extra):

@@ -176,3 +176,18 @@ def ancestor_mask(parent) -> np.ndarray:
       mask[i, j] = True
       j = parent[j]
   return mask
+
+
+def bench_inputs(root: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+  """``(model folder, prompts file)`` for the benches' end-to-end tests: a tiny HF Llama with a
+  word-level tokenizer, and five Spec-Bench-style prompts of its words in three categories."""
+  import json
+
+  model = save_tokenizer(save(hf_model("llama", seed=3), root / "model"))
+  lines = [json.dumps(dict(id=f"p{i}", source="test", category=cat,
+                           prompt=" ".join(f"w{(7 * i + j) % 100}" for j in range(n))))
+           for i, (cat, n) in enumerate([("writing", 9), ("writing", 5), ("qa", 12), ("qa", 6),
+                                         ("math", 4)])]
+  prompts = root / "prompts.jsonl"
+  prompts.write_text("\n".join(lines) + "\n")
+  return model, prompts
