@@ -3,6 +3,7 @@ them, the payload survives the trip, a step past its deadline does not take the 
 what comes back obeys the return rules, and the whole measure profile runs end to end."""
 
 import dataclasses
+import gzip
 import json
 import pathlib
 import subprocess
@@ -101,13 +102,18 @@ def test_plan_chunks_fit_and_reassemble(tmp_path):
   limits = dataclasses.replace(Limits(), call_bytes=tree_bytes(repo) + Limits().margin_bytes
                                + 64 * 1024 + 120_000)
   p = plan_lib.make_plan(repo, payload, "measure", limits=limits, size="tiny")
-  assert len(p.calls) == 3
+  # three upload calls, the last running part 1, then part 2's call carrying nothing
+  assert len(p.calls) == 4
   assert all(c.travel_bytes <= limits.call_bytes for c in p.calls)
-  assert "lease run --profile measure" in p.calls[-1].command
-  assert all("lease run" not in c.command for c in p.calls[:-1])
+  assert all("lease run" not in c.command for c in p.calls[:2])
+  assert f"lease run --profile measure --size tiny" in p.calls[2].command
+  assert "--part" not in p.calls[2].command and p.calls[2].carry
+  assert p.calls[3].command.endswith(f"--budget {p.part2_budget_s} --part 2")
+  assert p.calls[3].carry == () and p.part2_budget_s >= 60
+  assert p.device_s <= limits.lease_seconds
   stash = tmp_path / "stash"
   stash.mkdir()
-  for c in p.calls:
+  for c in p.calls[:3]:
     for f in (repo / c.carry[0]).iterdir():
       (stash / f.name).write_bytes(f.read_bytes())
   out = plan_lib.restore_payload(stash, tmp_path / "restored")
@@ -133,6 +139,12 @@ def test_plan_refuses_what_cannot_fit(tmp_path):
                        limits=dataclasses.replace(Limits(), call_bytes=40_000))
   with pytest.raises(LeaseError, match="to run the profile"):
     plan_lib.make_plan(repo, payload, "measure", limits=Limits(), budget_s=150)
+  # a lease too short for part 2 plans part 1 only, and says which steps it leaves out
+  p = plan_lib.make_plan(repo, payload, "measure", limits=Limits(), budget_s=600)
+  assert len(p.calls) == 1 and p.part2_budget_s == 0
+  assert p.not_planned == ("layers", "step_costs_scanned", "step_costs_unrolled")
+  assert "Not planned (no time left for part 2): layers, step_costs_scanned" in p.describe(
+      Limits())
 
 
 def test_plan_measures_the_checkout_from_git():
@@ -213,8 +225,9 @@ def staged(tmp_path, repo):
   stash = tmp_path / "stash"
   stash.mkdir()
   for c in p.calls:
-    for f in (repo / c.carry[0]).iterdir():
-      (stash / f.name).write_bytes(f.read_bytes())
+    for carried in c.carry:
+      for f in (repo / carried).iterdir():
+        (stash / f.name).write_bytes(f.read_bytes())
   return stash
 
 
@@ -242,7 +255,34 @@ def test_a_step_past_its_deadline_is_stopped_and_the_rest_still_run(tmp_path, mo
   assert "hanging" in (out / "lease.log").read_text()
   folder = runner.collect(out, tmp_path / "into")
   assert (folder / "one.md").read_text() == "one\n"
-  assert (folder / "lease.md").is_file() and (folder / "lease.log").is_file()
+  assert (folder / "lease.md").is_file()
+  assert b"hanging" in gzip.decompress((folder / "lease.log.gz").read_bytes())
+
+
+def test_part_2_continues_from_part_1s_stash(tmp_path, monkeypatch):
+  """Part 2 (the plan's last call) runs its steps from part 1's stash and brings back both
+  parts' results and steps; without part 1 in the stash it is one clear error."""
+  repo = git_repo(tmp_path / "repo", {"x": b""})
+  stash = staged(tmp_path, repo)
+  fake_profile(monkeypatch, [
+      Step("first", ("sh", "-c", "echo one > {results}/one.md"), 1, "part 1's step"),
+      Step("second", ("sh", "-c", "test -f {results}/one.md && test -d {model} && "
+                      "echo two > {results}/two.md"), 1, "part 2's step", part=2),
+  ])
+  with pytest.raises(LeaseError, match="no part 1 of a lease here"):
+    runner.run("fake", "tiny", stash, tmp_path / "out0", budget_s=60, repo=repo, part=2)
+  assert runner.run("fake", "tiny", stash, tmp_path / "out1", budget_s=60, repo=repo) == 0
+  assert runner.run("fake", "tiny", stash, tmp_path / "out2", budget_s=60, repo=repo,
+                    part=2) == 0
+  md = (tmp_path / "out2" / "lease.md").read_text()
+  rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+  assert "| 1 | ok |" in rows["first"] and "| 2 | ok |" in rows["second"]
+  assert "part 1: budget 60 s" in md and "part 2: budget 60 s" in md
+  folder = runner.collect(tmp_path / "out2", tmp_path / "into")
+  assert (folder / "one.md").read_text() == "one\n" and (folder / "two.md").read_text() == "two\n"
+  # a part-1 run starts over: part 2 after it does not see older results
+  assert runner.run("fake", "tiny", stash, tmp_path / "out3", budget_s=60, repo=repo) == 0
+  assert "| second |" not in (tmp_path / "out3" / "lease.md").read_text()
 
 
 def test_results_over_the_file_limit_come_back_in_parts(tmp_path):
@@ -289,11 +329,12 @@ def test_dry_run_of_the_measure_profile_passes(tmp_path, capsys):
   rc = main(["lease", "dry-run", "--profile", "measure", "--keep", str(tmp_path / "m")])
   out = capsys.readouterr().out
   assert rc == 0, out[-8000:]
-  assert "3 device calls" in out and "dry-run call 3/3: rc 0" in out
-  for step in ("suite", "step_costs", "loops", "gpu_tests", "layers"):
-    assert f"| {step} | ok |" in out
+  assert "4 device calls" in out and "dry-run call 4/4: rc 0" in out
+  for step, part in (("loops", 1), ("suite", 1), ("gpu_tests", 1), ("layers", 2),
+                     ("step_costs_scanned", 2), ("step_costs_unrolled", 2)):
+    assert f"| {step} | {part} | ok |" in out
   collected = tmp_path / "m" / "collected" / "results"
   names = {p.name for p in collected.rglob("*") if p.is_file()}
-  assert {"lease.md", "lease.log", "step_costs.md", "loops.md", "layers.md",
+  assert {"lease.md", "lease.log.gz", "step_costs_scanned.md", "step_costs_unrolled.md", "loops.md", "layers.md",
           "measurements.json", "results.md"} <= names
   assert not (REPO / ".lease" / "dry-run").exists()

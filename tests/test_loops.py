@@ -186,7 +186,36 @@ def test_loops_bench_fails_when_a_variant_differs(monkeypatch, tmp_path, capsys)
   assert "| k=3 | 1 |" in captured.out and captured.out.count("| NO |") == 1
 
 
+def test_loops_bench_writes_each_variant_before_the_next(monkeypatch, tmp_path):
+  """A caller that stops the bench mid-way (a lease step's deadline) keeps the variants that
+  finished: the table and its JSON are on disk before each next variant starts."""
+  out = tmp_path / "loops.md"
+  row = dict(batch=1, calls=1, ar_ms_per_token=2.0, ar_compile_s=1.0,
+             redrafter_ms_per_token=1.0, redrafter_compile_s=1.0, ar_tokens=[[[1, 2]]],
+             ar_steps=[2], redrafter_tokens=[[[1, 2]]], redrafter_metrics=[{"steps": 1}],
+             tokens_per_step=2.0)
+  seen = {}
+
+  def fake_spawn(args, variant):
+    if variant != "plain":
+      seen[variant] = (out.read_text(), json.loads(out.with_suffix(".json").read_text()))
+    if variant == "k=4":
+      raise KeyboardInterrupt  # stands in for the process being stopped
+    return dict(backend="cpu", device="cpu", jax="x", draft_vocab=0, param_dtype="float32",
+                variant=variant, steps_per_check=loops.steps_of(variant), rows=[row])
+
+  monkeypatch.setattr(loops, "spawn", fake_spawn)
+  with pytest.raises(KeyboardInterrupt):
+    loops.main(["--tiny", "--steps-per-check", "3,4", "--out", str(out)])
+  text, data = seen["k=4"]
+  assert "| plain | 1 | 2.000 | 1.000 |" in text and "| k=3 | 1 | 2.000 |" in text
+  assert "| k=4 | | not run (yet) |" in text
+  assert sorted(data["results"]) == ["k=3", "plain"]
+  assert "| k=3 | | not run (yet) |" in seen["k=3"][0]
+
+
 @pytest.mark.parametrize("argv", [["--steps-per-check", "1"], ["--steps-per-check", "4,4"],
+                                  ["--prompt-multiple", "0"], ["--cache-size", "0"],
                                   ["--batch-sizes", "0"], ["--reps", "0"],
                                   ["--prompts", "/nonexistent.jsonl"], ["--beams", "4x4,2x3"]])
 def test_loops_bench_bad_arguments(argv):

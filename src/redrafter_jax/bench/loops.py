@@ -72,6 +72,11 @@ def parse_args(argv):
   p.add_argument("--prompt-tokens", type=int, default=64,
                  help="longest random prompt (random prompts only)")
   p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--prompt-multiple", type=int, default=64,
+                 help="prompts are padded to a multiple of this (one prefill program per "
+                      "padded length: a large value compiles fewer)")
+  p.add_argument("--cache-size", type=int, default=None,
+                 help="KV-cache slots per row (default: prompt + new tokens, rounded up)")
   p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes")
   p.add_argument("--steps-per-check", default="4,8", help="comma-separated k values (> 1)")
   p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
@@ -94,9 +99,10 @@ def parse_args(argv):
   if len(set(args.steps_per_check)) < len(args.steps_per_check):
     p.error(f"--steps-per-check: repeated values in {args.steps_per_check}")
   if min(args.num_prompts, args.prompt_tokens, args.max_new_tokens, args.reps,
-         args.exit_dim) < 1:
-    p.error("--num-prompts, --prompt-tokens, --max-new-tokens, --reps and --exit-dim must be "
-            ">= 1")
+         args.exit_dim, args.prompt_multiple,
+         1 if args.cache_size is None else args.cache_size) < 1:
+    p.error("--num-prompts, --prompt-tokens, --max-new-tokens, --reps, --exit-dim, "
+            "--prompt-multiple and --cache-size must be >= 1")
   if args.tiny:
     for name, value in TINY.items():
       if p.get_default(name) == getattr(args, name):
@@ -185,11 +191,12 @@ def run_variant(args) -> dict:
              device=jax.devices()[0].device_kind, jax=jax.__version__,
              xla_flags=os.environ.get("XLA_FLAGS", ""), draft_vocab=draft_vocab,
              param_dtype=resolve_param_dtype(args.param_dtype, args.dtype), rows=[])
+  shapes = dict(cache_size=args.cache_size, prompt_multiple=args.prompt_multiple)
   for B in args.batch_sizes:
     groups = batches(prompts, B)
-    ar = measure([lambda g=g: generate(llm, g, max_new_tokens=n, steps_per_check=k)
+    ar = measure([lambda g=g: generate(llm, g, max_new_tokens=n, steps_per_check=k, **shapes)
                   for g in groups], args.reps)
-    red = measure([lambda g=g: rd(g) for g in groups], args.reps)
+    red = measure([lambda g=g: rd(g, **shapes) for g in groups], args.reps)
     row_tokens = len(groups) * n  # per row: no stop tokens, so every row makes n tokens
     out["rows"].append(dict(
         batch=B, calls=len(groups),
@@ -213,7 +220,8 @@ def child_argv(args, variant: str) -> list[str]:
           "--param-dtype", args.param_dtype, "--dtype", args.dtype, "--beams", args.beams.text,
           "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
           "--prompt-tokens", str(args.prompt_tokens), "--max-new-tokens",
-          str(args.max_new_tokens), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+          str(args.max_new_tokens), "--prompt-multiple", str(args.prompt_multiple),
+          *(["--cache-size", str(args.cache_size)] if args.cache_size else []), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
           "--steps-per-check", ",".join(map(str, args.steps_per_check)),
           "--reps", str(args.reps), "--variant", variant]
   return argv + ([] if args.draft_vocab is None else ["--draft-vocab", str(args.draft_vocab)])
@@ -247,21 +255,24 @@ def differences(plain: dict, other: dict) -> list[str]:
   return out
 
 
-def table(args, results: dict, failures: dict, seconds: float) -> str:
+def table(args, results: dict, failures: dict, seconds: float, pending: bool = False) -> str:
+  """The Markdown table; ``pending``: written while variants still run (they show as not run)."""
   plain = results["plain"]
   lines = [f"# Decode loops: host sync per step vs k steps per check vs command buffers "
            f"({time.strftime('%Y-%m-%d')})", "",
            f"model {args.model}, weights {plain['param_dtype']}, activations {args.dtype}, drafter "
            f"{args.drafter} (draft vocab {plain['draft_vocab'] or 'all'}), tree "
            f"{args.beams.text}, greedy, {args.num_prompts} prompts ({args.prompts}), "
-           f"{args.max_new_tokens} new tokens per row, median of {args.reps}; "
+           f"{args.max_new_tokens} new tokens per row, prompts padded to a multiple of "
+           f"{args.prompt_multiple}, median of {args.reps}; "
            f"{plain['device']} ({plain['backend']}), jax {plain['jax']}; {seconds:.0f} s in all",
            "", "| variant | batch | AR ms/token | ReDrafter ms/token | AR speed vs plain "
            "| ReDrafter speed vs plain | ReDrafter tokens/step | compile s (AR + ReDrafter) "
            "| same outputs as plain |", "|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
   for variant in variant_names(args):
-    if variant in failures:
-      lines.append(f"| {variant} | | {failures[variant]} | | | | | | |")
+    if variant in failures or variant not in results:
+      why = failures.get(variant, "not run (yet)" if pending else "not run")
+      lines.append(f"| {variant} | | {why} | | | | | | |")
       continue
     r = results[variant]
     same = "yes" if not differences(plain, r) else "NO"
@@ -287,7 +298,21 @@ def main(argv=None) -> int:
 
   start = time.perf_counter()
   results, failures = {"plain": spawn(args, "plain")}, {}
+
+  def write(report: str) -> None:
+    if not args.out:
+      return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    data = args.out.with_suffix(".json")
+    data = data if data != args.out else args.out.with_suffix(".data.json")
+    data.write_text(json.dumps(dict(argv=child_argv(args, "plain")[:-2], results=results,
+                                    not_run=failures), indent=1))
+
   for variant in variant_names(args)[1:]:
+    # what has run so far is on disk before the next variant starts (a caller with a deadline,
+    # such as a lease, keeps it when this process is stopped)
+    write(table(args, results, failures, time.perf_counter() - start, pending=True))
     if variant == "cmdbuf" and results["plain"]["backend"] != "gpu":
       failures[variant] = NOT_ON_CPU
       continue
@@ -297,12 +322,8 @@ def main(argv=None) -> int:
       print(f"error: {e}", file=sys.stderr)
       failures[variant] = "failed (see stderr)"
   report = table(args, results, failures, time.perf_counter() - start)
-  emit(report, args.out)
-  if args.out:
-    data = args.out.with_suffix(".json")
-    data = data if data != args.out else args.out.with_suffix(".data.json")
-    data.write_text(json.dumps(dict(argv=child_argv(args, "plain")[:-2], results=results,
-                                    not_run=failures), indent=1))
+  emit(report, None)
+  write(report)
   wrong = [d for v in results for d in differences(results["plain"], results[v])]
   for line in wrong:
     print(f"error: {line}", file=sys.stderr)

@@ -40,6 +40,9 @@ def add_arguments(p):
                      help="gpu: the real model's sizes; tiny: the dry-run's (default: %(default)s)")
       s.add_argument("--out", type=pathlib.Path, default=None,
                      help="where the returned files go (default: $OUT, else lease-out/)")
+      s.add_argument("--part", type=int, choices=(1, 2), default=1,
+                     help="the profile's part to run; 2 continues from part 1's stash "
+                     "(default: %(default)s)")
     if name == "dry-run":
       s.add_argument("--keep", type=pathlib.Path, default=None,
                      help="leave the fake machine's folders here (default: a temporary folder)")
@@ -70,7 +73,7 @@ def run(args) -> int:
 
     out = args.out or pathlib.Path(os.environ.get("OUT") or "lease-out")
     return runner.run(args.profile, args.size, args.stash, out,
-                      args.budget or Limits().call_seconds - 30, repo)
+                      args.budget or Limits().call_seconds - 30, repo, part=args.part)
   if args.lease_command == "dry-run":
     from redrafter_jax.lease.dry_run import dry_run
 

@@ -4,7 +4,9 @@ The payload (the model pack: quantized weights, manifest, tokenizer) is one gzip
 chunks, each chunk staged in its own ignored folder ``.lease/call-<i>/`` that call ``i`` carries.
 Every call copies what it carried into a stash outside the checkout (``$TMPDIR`` or ``/tmp``,
 which survives between calls while the machine is warm; carried paths do not), and the last call
-runs the profile from the stash (``lease run``), reassembling and checking the payload first. A
+runs the profile's part 1 from the stash (``lease run``), reassembling and checking the payload
+first. When the profile has part-2 steps and the lease has at least a minute left after that, one
+more call (carrying nothing) runs them from the same stash while the machine is still warm. A
 call's size is measured, not assumed: the checkout's travelling files (from git) plus its chunk
 must fit the runner's per-call limit.
 """
@@ -41,21 +43,27 @@ class Plan:
   calls: tuple[Call, ...]
   tree_bytes: int
   payload_bytes: int
-  run_budget_s: int  # the profile's run time in the last call
-  device_s: int  # the lease's device time as planned: start, every call, the run
+  run_budget_s: int  # the profile's part-1 run time (the last upload call)
+  device_s: int  # the lease's device time as planned: start, every call, the runs
+  part2_budget_s: int = 0  # part 2's run time in a call of its own (0: no such call)
+  not_planned: tuple[str, ...] = ()  # part-2 steps the lease has no time left for
 
   def describe(self, limits: Limits) -> str:
     lines = [f"lease plan, profile {self.profile}: {len(self.calls)} device calls; the checkout "
              f"sends {self.tree_bytes / MiB:.1f} MiB with each, the payload is "
              f"{self.payload_bytes / MiB:.1f} MiB; device time as planned {self.device_s} s of "
              f"{limits.lease_seconds} s (start {limits.start_seconds} s, "
-             f"{limits.call_overhead_seconds} s around each call, the run {self.run_budget_s} s)."]
+             f"{limits.call_overhead_seconds} s around each call, the run {self.run_budget_s} s"
+             + (f", part 2 {self.part2_budget_s} s" if self.part2_budget_s else "") + ")."]
+    if self.not_planned:
+      lines.append(f"Not planned (no time left for part 2): {', '.join(self.not_planned)}.")
     for i, c in enumerate(self.calls):
       lines.append(f"call {i + 1}/{len(self.calls)}: {c.travel_bytes / MiB:.1f} MiB of "
                    f"{limits.call_bytes / MiB:.0f}; run(carry={json.dumps(list(c.carry))}, "
                    f"timeout_s={c.timeout_s}, command={c.command!r})")
     lines.append("Make the calls back to back (the machine goes back 30 s after a call), then "
-                 "`redrafter-jax lease collect FILES_AT` on what the last call brings back.")
+                 "`redrafter-jax lease collect FILES_AT` on what the last call brings back (if "
+                 "a call fails, collect what the one before it brought back).")
     return "\n".join(lines)
 
 
@@ -72,9 +80,10 @@ def tar_payload(folder: pathlib.Path) -> bytes:
   return buf.getvalue()
 
 
-def run_command(profile: str, budget_s: int, size: str) -> str:
+def run_command(profile: str, budget_s: int, size: str, part: int = 1) -> str:
   return (f"PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src python3 -m redrafter_jax.cli lease run "
-          f"--profile {profile} --size {size} --stash {STASH} --budget {budget_s}")
+          f"--profile {profile} --size {size} --stash {STASH} --budget {budget_s}"
+          + (f" --part {part}" if part != 1 else ""))
 
 
 def make_plan(repo: pathlib.Path, payload: pathlib.Path, profile: str, *, limits: Limits,
@@ -83,6 +92,9 @@ def make_plan(repo: pathlib.Path, payload: pathlib.Path, profile: str, *, limits
   """Stage ``payload`` (a folder) under ``repo/stage`` in per-call chunks; returns the calls.
 
   ``budget_s``: the lease's device time (default ``limits.lease_seconds``)."""
+  from redrafter_jax.lease.profiles import profile as profile_steps
+
+  part2 = [s.name for s in profile_steps(profile, size) if s.part == 2]
   budget_s = limits.lease_seconds if budget_s is None else budget_s
   data = tar_payload(payload)
   tree = tree_bytes(repo)
@@ -117,7 +129,14 @@ def make_plan(repo: pathlib.Path, payload: pathlib.Path, profile: str, *, limits
     calls.append(Call((rel,), command, tree + sum(p.stat().st_size for p in folder.iterdir()),
                       min(limits.call_seconds, run_s + 30) if last else 120))
   device = limits.start_seconds + transfer_s * len(chunks) + run_s
-  return Plan(profile, tuple(calls), tree, len(data), run_s, device)
+  part2_s = min(limits.call_seconds - 30, budget_s - device - transfer_s - 30)
+  if part2 and part2_s >= 60:
+    calls.append(Call((), run_command(profile, part2_s, size, part=2), tree,
+                      min(limits.call_seconds, part2_s + 30)))
+    device += transfer_s + part2_s
+    return Plan(profile, tuple(calls), tree, len(data), run_s, device, part2_s)
+  return Plan(profile, tuple(calls), tree, len(data), run_s, device,
+              not_planned=tuple(part2))
 
 
 def restore_payload(stash: pathlib.Path, out: pathlib.Path) -> pathlib.Path:

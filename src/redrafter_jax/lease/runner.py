@@ -10,6 +10,10 @@ each step's compiled programs and their seconds), ``lease.log`` (every step's ou
 when too long) and ``results.tar.gz`` (the results folder; cut into numbered parts when over the
 per-file limit). ``lease collect`` unpacks that into the repository.
 
+``--part 2`` (the plan's call after that one) runs the profile's part-2 steps from the same stash:
+the model, the results folder, the log and the table of steps (``lease.json``) that part 1 left
+there, so what it brings back holds both parts.
+
 Every step shares one persistent compilation cache in the stash (programs compiled by one step
 are loaded by the next, and by a second run while the machine is warm), and JAX logs each compile
 with its seconds (``JAX_LOG_COMPILES``), which this module reads back out of the log. The lease's
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gzip
 import io
+import json
 import os
 import pathlib
 import platform
@@ -46,6 +52,7 @@ JAX_LOG = re.compile(r"^(Finished (tracing|jaxpr|XLA compilation)|Compiling |Per
 RESERVE_S = 15  # kept back at the end for the last bundle
 LISTED_COMPILE_S = 0.5  # lease.md lists each program compiled at least this long
 RESULTS_NAME = "results.tar.gz"
+STATE = "lease.json"  # in the stash's work folder: the results folder, budgets and step table
 
 
 @dataclasses.dataclass
@@ -56,6 +63,7 @@ class StepResult:
   seconds: float = 0.0
   deadline_s: float = 0.0
   compiles: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+  part: int = 1
 
 
 def machine_slug() -> str:
@@ -127,15 +135,16 @@ def rebuild_reports(folder: pathlib.Path, env, cwd: pathlib.Path, log) -> None:
              60, log)
 
 
-def summary(profile: str, device: str, budget_s: int, results: list[StepResult],
-            elapsed_s: float, note: str) -> str:
+def summary(profile: str, device: str, runs: dict[str, list[float]],
+            results: list[StepResult]) -> str:
+  """lease.md; ``runs``: each part's ``[budget s, seconds used]``."""
+  spent = ", ".join(f"part {p}: budget {b:.0f} s, {u:.0f} s used" for p, (b, u) in runs.items())
   lines = [f"# Lease: profile {profile} on {device}", "",
-           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; run budget "
-           f"{budget_s} s, {elapsed_s:.0f} s used. {note}", "",
-           "| step | status | seconds | deadline (s from start) | programs compiled | compile s "
-           "| what |", "|---|---|---:|---:|---:|---:|---|"]
+           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {spent}.", "",
+           "| step | part | status | seconds | deadline (s from the part's start) "
+           "| programs compiled | compile s | what |", "|---|---:|---|---:|---:|---:|---:|---|"]
   for r in results:
-    lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {r.deadline_s:.0f} | "
+    lines.append(f"| {r.name} | {r.part} | {r.status} | {r.seconds:.1f} | {r.deadline_s:.0f} | "
                  f"{len(r.compiles)} | {sum(s for _, s in r.compiles):.1f} | {r.what} |")
   for r in results:
     if r.compiles:
@@ -191,56 +200,87 @@ def bundle(results_root: pathlib.Path, log_path: pathlib.Path, summary_md: str,
   return notes
 
 
+def _start_part(profile_name: str, part: int, stash: pathlib.Path, work: pathlib.Path,
+                size: str, budget_s: int):
+  """``(folder, runs, records)``: a fresh results folder for part 1; part 1's, read back from
+  the stash, for a later part."""
+  state = work / STATE
+  if part == 1:
+    if work.exists():
+      shutil.rmtree(work)
+    folder = (work / "results" / machine_slug()
+              / f"{datetime.date.today().isoformat()}-lease-{profile_name}")
+    folder.mkdir(parents=True)
+    return folder, {"1": [budget_s, 0.0]}, [
+        StepResult("payload", "reassemble and check the payload, unpack the model")]
+  if not state.is_file():
+    raise LeaseError(f"{stash}: no part 1 of a lease here ({state} missing): the machine went "
+                     f"back after the part-1 call, or it did not run; part {part} needs it")
+  saved = json.loads(state.read_text())
+  if saved["profile"] != profile_name or saved["size"] != size:
+    raise LeaseError(f"{stash}: part 1 ran profile {saved['profile']} at size {saved['size']}, "
+                     f"not {profile_name} at {size}")
+  records = [StepResult(**dict(r, compiles=[tuple(c) for c in r["compiles"]]))
+             for r in saved["records"]]
+  runs = dict(saved["runs"], **{str(part): [budget_s, 0.0]})
+  return pathlib.Path(saved["folder"]), runs, records
+
+
 def run(profile_name: str, size: str, stash: pathlib.Path, out: pathlib.Path, budget_s: int,
-        repo: pathlib.Path, limits: Limits = Limits()) -> int:
-  """Run a profile from ``stash`` within ``budget_s`` seconds, results into ``out``; returns 0
-  when every step finished ok."""
+        repo: pathlib.Path, limits: Limits = Limits(), part: int = 1) -> int:
+  """Run a profile's steps of ``part`` from ``stash`` within ``budget_s`` seconds, results
+  (those of the earlier parts too) into ``out``; returns 0 when every step finished ok."""
   from redrafter_jax.lease.profiles import profile
 
   t0 = time.monotonic()
-  steps: list[Step] = profile(profile_name, size)
+  steps: list[Step] = [s for s in profile(profile_name, size) if s.part == part]
+  if not steps:
+    raise LeaseError(f"profile {profile_name} has no part-{part} steps")
   stash = stash.resolve()
   work = stash / "work"
-  if work.exists():
-    shutil.rmtree(work)
-  slug = machine_slug()
+  folder, runs, records = _start_part(profile_name, part, stash, work, size, budget_s)
   results_root = work / "results"
-  folder = results_root / slug / f"{datetime.date.today().isoformat()}-lease-{profile_name}"
-  folder.mkdir(parents=True)
   log_path = work / "lease.log"
+  slug = folder.parent.name
   device = slug if size == "gpu" else f"{slug} (dry-run sizes)"
-  records = [StepResult("payload", "reassemble and check the payload, unpack the model")]
-  records += [StepResult(s.name, s.what) for s in steps]
+  first = len(records)
+  records += [StepResult(s.name, s.what, part=part) for s in steps]
   usable = budget_s - RESERVE_S
   total_share = sum(s.share for s in steps)
-  note = ""
 
   def publish():
-    md = summary(profile_name, device, budget_s, records, time.monotonic() - t0, note)
+    runs[str(part)][1] = time.monotonic() - t0
+    md = summary(profile_name, device, runs, records)
     (folder / "lease.md").write_text(md)
+    (work / STATE).write_text(json.dumps(dict(
+        profile=profile_name, size=size, folder=str(folder), runs=runs,
+        records=[dataclasses.asdict(r) for r in records]), indent=1))
     for n in bundle(results_root, log_path, md, out, limits):
       print(f"lease: {n}", file=sys.stderr)
 
-  with open(log_path, "w") as log:
+  with open(log_path, "w" if part == 1 else "a") as log:
     start = time.monotonic()
-    try:
-      payload = restore_payload(stash, stash / "payload")
-      model_pack.unpack(payload, stash / "model")
-      records[0].status = "ok"
-    except (LeaseError, OSError, ValueError) as e:
-      records[0].status = f"failed ({e})"
-      log.write(f"payload: {e}\n")
-    records[0].seconds = time.monotonic() - start
-    publish()
-    if records[0].status != "ok":
-      return 1
+    if part == 1:
+      try:
+        payload = restore_payload(stash, stash / "payload")
+        model_pack.unpack(payload, stash / "model")
+        records[0].status = "ok"
+      except (LeaseError, OSError, ValueError) as e:
+        records[0].status = f"failed ({e})"
+        log.write(f"payload: {e}\n")
+      records[0].seconds = time.monotonic() - start
+      publish()
+      if records[0].status != "ok":
+        return 1
+    else:
+      log.write(f"\n===== part {part}\n")
     fill = dict(py=sys.executable, model=str(stash / "model"), results=str(folder),
                 prompts=str(repo / PROMPTS))
     done_share = 0.0
-    for step, rec in zip(steps, records[1:]):
+    ready = time.monotonic() - t0
+    for step, rec in zip(steps, records[first:]):
       done_share += step.share
-      rec.deadline_s = (records[0].seconds
-                        + (usable - records[0].seconds) * done_share / total_share)
+      rec.deadline_s = ready + (usable - ready) * done_share / total_share
       timeout = min(rec.deadline_s, usable) - (time.monotonic() - t0)
       argv = [a.format(**fill) for a in step.argv]
       log.write(f"\n===== {step.name}: {' '.join(argv)} (until {rec.deadline_s:.0f} s)\n")
@@ -256,7 +296,7 @@ def run(profile_name: str, size: str, stash: pathlib.Path, out: pathlib.Path, bu
   failed = [r.name for r in records if r.status != "ok"]
   print(f"lease: {len(records) - len(failed)}/{len(records)} steps ok"
         + (f"; not ok: {', '.join(failed)}" if failed else ""), flush=True)
-  return 1 if failed else 0
+  return 1 if any(r.status != "ok" for r in records[first:]) else 0
 
 
 def collect(files_at: pathlib.Path, repo: pathlib.Path) -> pathlib.Path:
@@ -275,6 +315,6 @@ def collect(files_at: pathlib.Path, repo: pathlib.Path) -> pathlib.Path:
       pathlib.Path(n).parts) > 3}
   log = next(iter(sorted(files_at.rglob("lease.log"))), None)
   for f in sorted(folders):
-    if log is not None:
-      shutil.copy(log, repo / f / "lease.log")
+    if log is not None:  # gzipped: JAX's compile log makes it large and repetitive
+      (repo / f / "lease.log.gz").write_bytes(gzip.compress(log.read_bytes(), mtime=0))
   return repo / sorted(folders)[0] if folders else repo / "results"
