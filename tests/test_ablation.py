@@ -85,6 +85,22 @@ def test_bad_ablation_files_are_one_line_errors(tmp_path, capsys, variants, need
   assert not (tmp_path / "runs").exists()
 
 
+def test_common_overrides_apply_to_every_variant_under_its_own_root(tmp_path):
+  path = write_ablation(tmp_path, {"a": {}, "b": {"train.seed": 3}})
+  spec = yaml.safe_load(path.read_text())
+  spec["common"] = {"train.seed": 7, "train.output_dir": str(tmp_path / "elsewhere")}
+  path.write_text(yaml.safe_dump(spec))
+  ab = ablation_lib.load_ablation(path)
+  a, b = ab.preset("a"), ab.preset("b")
+  assert a.train.seed == 7 and b.train.seed == 3  # a variant's own override wins
+  assert a.train.output_dir == f"{tmp_path / 'elsewhere'}/a"
+  assert b.train.output_dir == f"{tmp_path / 'elsewhere'}/b"
+  spec["common"] = ["train.seed=1"]
+  path.write_text(yaml.safe_dump(spec))
+  with pytest.raises(ConfigError, match="'common' must map dotted keys to values"):
+    ablation_lib.load_ablation(path)
+
+
 def test_unknown_only_and_missing_file(tmp_path, capsys):
   path = write_ablation(tmp_path, {"a": {}})
   assert cli.main(["ablate", str(path), "--only", "zz"]) == 2

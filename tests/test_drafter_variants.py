@@ -335,9 +335,23 @@ def test_multi_layer_features_folder_gives_the_inline_loss(synthetic, tmp_path):
   _, drafter_of, params, vocab_ids_R = trainer._trainable_drafter(p, llm.config)
   kw = dict(seq_len=64, global_batch=4, seed=0, hidden_size=64)
   with pytest.raises(data.DataError, match="feature_layers"):
-    data.make_iterator(synthetic, **kw, features=feats)  # made for other layers
+    data.make_iterator(synthetic, **kw, features=feats, feature_layers=(2,))  # not stored
   batch = next(data.make_iterator(synthetic, **kw, features=feats, feature_layers=(0, 1)))
   assert batch["hidden"].shape == (4, 64, 3 * 64)
+  # the same folder serves fewer layers, down to the last hidden state alone (a baseline):
+  # the same batches, with only their columns
+  last = next(data.make_iterator(synthetic, **kw, features=feats))
+  only_1 = next(data.make_iterator(synthetic, **kw, features=feats, feature_layers=(1,)))
+  for name in ("tokens", "loss_mask"):
+    np.testing.assert_array_equal(last[name], batch[name])
+  np.testing.assert_array_equal(last["hidden"], batch["hidden"][..., :64])
+  np.testing.assert_array_equal(only_1["hidden"],
+                                np.concatenate([batch["hidden"][..., :64],
+                                                batch["hidden"][..., 128:]], -1))
+  assert features.feature_columns([0, 1], [], 64) == slice(0, 64)
+  assert features.feature_columns([0, 1], [0], 64) == slice(0, 128)
+  assert features.feature_columns([0, 1], [0, 1], 64) is None
+  np.testing.assert_array_equal(features.feature_columns([0, 1], [1], 2), [0, 1, 4, 5])
   graphdef, state = nnx.split(llm)
   spec = trainer.LossSpec(graphdef, drafter_of, vocab_ids_R, 3, 16, True, 1.0, (0, 1))
   inline = {k: jnp.asarray(v) for k, v in batch.items() if k != "hidden"}

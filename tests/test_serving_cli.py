@@ -5,10 +5,12 @@ loopback: ReDrafter, then AR)."""
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -117,13 +119,28 @@ def _start_serve(*extra: str):
     proc.kill()
     raise AssertionError("the server did not print its address:\n" + "".join(lines))
   url = next(line for line in lines if line.startswith("listening on ")).split()[2]
-  return proc, url, lines
+  health = _wait_ready(proc, url, lines)
+  return proc, url, lines, health
+
+
+def _wait_ready(proc, url, lines, timeout=300.0):
+  """Poll /health from the moment the server listens until it answers 200; returns every
+  answer as (status code, body)."""
+  answers, deadline = [], time.monotonic() + timeout
+  while time.monotonic() < deadline and proc.poll() is None:
+    r = httpx.get(f"{url}/health", timeout=30)
+    answers.append((r.status_code, r.json()))
+    if r.status_code == 200:
+      return answers
+    time.sleep(0.05)
+  proc.kill()
+  raise AssertionError(f"not ready: {answers[-3:]}\n" + "".join(lines))
 
 
 def test_sigterm_lets_a_request_in_flight_finish_and_exits_0():
   """SIGTERM with a stream in flight (its first step still compiling: no warm-up): the stream
   ends with its finish_reason and [DONE], and the process exits 0."""
-  proc, url, lines = _start_serve("--no-warmup", "--shutdown-grace", "120")
+  proc, url, lines, _ = _start_serve("--no-warmup", "--shutdown-grace", "120")
   try:
     body = {"model": "random:tiny", "prompt": "Hello", "max_tokens": 48, "temperature": 0,
             "stream": True}
@@ -144,7 +161,7 @@ def test_sigterm_lets_a_request_in_flight_finish_and_exits_0():
 
 def test_sigterm_on_an_idle_server_exits_0():
   """(With --api-key, which guards /v1 only.)"""
-  proc, url, lines = _start_serve("--no-warmup", "--api-key", "k3y")
+  proc, url, lines, _ = _start_serve("--no-warmup", "--api-key", "k3y")
   try:
     assert httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
@@ -155,6 +172,60 @@ def test_sigterm_on_an_idle_server_exits_0():
   finally:
     if proc.poll() is None:
       proc.kill()
+
+
+def test_server_listens_during_its_warm_up_and_reports_progress():
+  """The port answers before the warm-up ends: /health is 503 "starting" (with the stage and the
+  warm-up's progress) until it is 200, and each warm-up program is logged with its seconds."""
+  proc, url, lines, health = _start_serve()
+  try:
+    assert health[-1][0] == 200 and health[-1][1]["status"] == "ok"
+    for code, body in health[:-1]:
+      assert code == 503 and body["status"] == "starting" and body["stage"], body
+      if "warmup" in body:
+        assert 0 <= body["warmup"]["done"] <= body["warmup"]["total"]
+    out = "".join(lines)
+    warm = [i for i, line in enumerate(lines) if re.search(r"warm-up \d+/\d+: .* in [0-9.]+ s",
+                                                            line)]
+    listening = next(i for i, line in enumerate(lines) if line.startswith("listening on"))
+    assert warm and listening < warm[0], out  # listening before the first program compiled
+    assert re.search(r"ready in [0-9.]+ s", out), out
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, out
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+
+def test_starting_server_answers_503_with_its_progress():
+  from fastapi import FastAPI
+
+  from redrafter_jax.serving.server import ServerThread
+  from redrafter_jax.serving.startup import Startup
+
+  startup = Startup()
+  with ServerThread(startup) as s:
+    r = httpx.get(f"{s.url}/health", timeout=30)
+    assert r.status_code == 503 and r.json()["status"] == "starting"
+    assert r.headers["Retry-After"] == "5"
+    startup.stage("loading the model")
+    startup.warmup(2, 5, "ar step, 1 rows, context 512", 0.25)
+    body = httpx.get(f"{s.url}/health", timeout=30).json()
+    assert body["stage"] == "loading the model" and body["warmup"] == {"done": 2, "total": 5}
+    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
+    assert "retry when GET /health answers 200" in r.json()["error"]["message"]
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    startup.ready(app)
+    assert httpx.get(f"{s.url}/health", timeout=30).json() == {"status": "ok"}
+  failed = Startup()
+  failed.fail(ValueError("no such model"))
+  with ServerThread(failed) as s:
+    body = httpx.get(f"{s.url}/health", timeout=30).json()
+    assert body["status"] == "failed" and body["error"] == "ValueError: no such model"
+    r = httpx.get(f"{s.url}/v1/models", timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "start_failed"
 
 
 def test_server_weights_follow_the_drafter_settings(tmp_path, monkeypatch):

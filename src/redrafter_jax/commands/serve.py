@@ -77,8 +77,10 @@ def run(args) -> int:
   from redrafter_jax.serving import server
 
   preset = load_preset(args.config, parse_overrides(args.overrides))
+  server.preflight(preset, speculative=not args.ar, drafter_path=args.drafter,
+                   random_drafter=args.random_drafter)
   server.use_compile_cache(args.compile_cache, args.devices)
-  srv = server.build(
+  build = lambda startup: server.build(
       preset, slots=args.slots, max_context=args.max_context, max_tokens=args.max_tokens,
       min_context_bucket=args.min_context_bucket, prefill_tokens=args.prefill_tokens,
       default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
@@ -86,6 +88,6 @@ def run(args) -> int:
       devices=args.devices, model_name=args.served_model_name, warmup=not args.no_warmup,
       max_body_bytes=args.max_body_bytes, api_key=args.api_key,
       cors_origins=args.cors_origin, allowed_hosts=args.allowed_host, tree=args.tree,
-      trees=[t for t in args.trees.split(",") if t.strip()])
-  server.serve_forever(srv, args.host, args.port, shutdown_grace=args.shutdown_grace)
+      trees=[t for t in args.trees.split(",") if t.strip()], startup=startup)
+  server.serve_forever(build, args.host, args.port, shutdown_grace=args.shutdown_grace)
   return 0

@@ -273,15 +273,23 @@ class Engine:
   def mode(self) -> str:
     return "redrafter" if self.config.speculative else "ar"
 
-  def warmup(self) -> float:
+  def warmup(self, progress=None) -> float:
     """Compile every prompt bucket and step mode now (before ``start``), so no request waits
-    for a compile on the engine thread; returns the seconds it took."""
+    for a compile on the engine thread; returns the seconds it took. Each program's first run
+    is logged with its seconds; ``progress(done, total, what, seconds)`` also hears of it (the
+    server's start-up: ``startup.Startup.warmup``)."""
     if self._thread is not None:
       raise RuntimeError("warmup() runs before start(): only the engine thread touches JAX then")
     t0 = time.perf_counter()
     # Only greedy batches switch modes unless ``adaptive_sampled``: time the other kinds then.
     kinds = policy_lib.KINDS if self.config.adaptive_sampled else ("greedy",)
-    costs = self._place.warmup(kinds=kinds)
+    def each(done: int, total: int, what: str, seconds: float) -> None:
+      if progress is not None:
+        progress(done, total, what, seconds)
+      else:
+        log.info("warm-up %d/%d: %s in %.2f s", done, total, what, seconds)
+
+    costs = self._place.warmup(kinds=kinds, progress=each)
     if self.config.adaptive:
       self.costs = policy_lib.StepCosts(costs)
     seconds = time.perf_counter() - t0

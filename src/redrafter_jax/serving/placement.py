@@ -179,26 +179,39 @@ class Placement:
     return sorted({prompt_bucket(n, cfg.min_bucket, cfg.max_context)
                    for n in range(1, longest + 1)})
 
-  def warmup(self, timed_runs: int = 5, kinds: Sequence[str] = policy_lib.KINDS
-             ) -> dict[tuple[int, str, str, int], float]:
+  def warmup(self, timed_runs: int = 5, kinds: Sequence[str] = policy_lib.KINDS,
+             progress=None) -> dict[tuple[int, str, str, int], float]:
     """Compile every program the server can meet by running each once: the prefill of each
     prompt bucket and admission row count, and the step for each row bucket, mode and context
     bucket; one program serves every sampling kind (greedy, sampled, filtered). Then each step
     is timed for each sampling kind in ``kinds`` (the median of ``timed_runs``) at each context
     bucket, as a tree's cost relative to an AR step's changes with the context read; returns
     those seconds by (rows, mode, kind, context), the cost table of ``policy.plan``. Then a
-    fresh batch: serving never compiles."""
+    fresh batch: serving never compiles. ``progress(done, total, what, seconds)``: called after
+    each program's first run (its compile, or its load from the compilation cache)."""
     programs = [(b, mode, c) for b in self.row_buckets() for mode in self.modes()
                 for c in self.context_buckets()]
     admissions = [(T, k) for T in self.buckets() for k in self.admission_rows(T)]
-    budget = MappingBudget(len(admissions) + len(programs))
+    total = len(admissions) + len(programs)
+    budget = MappingBudget(total)
+
+    def ran(what: str, t0: float) -> None:
+      if progress is not None:
+        ran.done += 1
+        progress(ran.done, total, what, time.perf_counter() - t0)
+    ran.done = 0
+
     for T, k in admissions:
       budget.check()
+      t0 = time.perf_counter()
       jax.block_until_ready(
           self.admit([self.admission(slot, [0] * T, 0, 0.0, 1.0, 0, 1) for slot in range(k)]))
+      ran(f"admission of {k} prompt(s) of {T} tokens", t0)
     for b, mode, c in programs:  # compile
       budget.check()
+      t0 = time.perf_counter()
       jax.block_until_ready(self.step(list(range(b)), [False] * b, False, True, mode, c))
+      ran(f"{mode} step, {b} rows, context {c}", t0)
     times = {(b, mode, kind, c): [] for b, mode, c in programs for kind in kinds}
     for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
       for b, mode, kind, c in times:

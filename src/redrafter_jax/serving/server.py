@@ -2,8 +2,10 @@
 
 ``build`` loads everything; ``ServerThread`` runs uvicorn in a background thread on a socket
 bound before it starts (tests and the load test's own servers: no port races, bounded waits);
-``serve_forever`` runs it in the foreground until SIGINT/SIGTERM, then shuts down gracefully
-(``shutdown.GracefulServer``: in-flight requests get ``shutdown_grace`` seconds).
+``serve_forever`` listens at once and builds in a background thread (``startup``: ``/health``
+answers 503 with the progress until ready), then serves in the foreground until SIGINT/SIGTERM
+and shuts down gracefully (``shutdown.GracefulServer``: in-flight requests get
+``shutdown_grace`` seconds).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pathlib
 import socket
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 from flax import nnx
@@ -27,6 +29,7 @@ from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES
 from redrafter_jax.serving.engine import Engine, EngineConfig, tree_mode
 from redrafter_jax.serving.placement import serving_mesh
 from redrafter_jax.serving.shutdown import make_server
+from redrafter_jax.serving.startup import Startup
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +60,31 @@ def drafter_folder(preset: Preset, path: str | None = None) -> pathlib.Path | No
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
 
+def served_drafter_folder(preset: Preset, path: str | None) -> pathlib.Path:
+  """``drafter_folder``, which a speculative server must have: ``ConfigError`` when none."""
+  folder = drafter_folder(preset, path)
+  if folder is None:
+    raise ConfigError("no drafter to serve: set drafter_path in the preset, pass --drafter PATH, "
+                      "or use --random-drafter (tests) or --ar (no speculation)")
+  return folder
+
+
+def preflight(preset: Preset, *, speculative: bool = True, drafter_path: str | None = None,
+              random_drafter: bool = False) -> None:
+  """The checks that need no model loaded (a named drafter exists), so that ``serve`` reports
+  them before it listens rather than from its background start-up."""
+  if speculative and not random_drafter:
+    served_drafter_folder(preset, drafter_path)
+  serving_param_dtype(preset, drafter_path=drafter_path, random_drafter=random_drafter)
+
+
 def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool, seed: int = 0):
   """The drafter to serve: a random one (tests), ``path``, or the preset's ``drafter_path``."""
   from redrafter_jax.models.drafter import Drafter
 
   if random:
     return Drafter(preset.drafter_config(llm_cfg), rngs=nnx.Rngs(seed))
-  folder = drafter_folder(preset, path)
-  if folder is None:
-    raise ConfigError("no drafter to serve: set drafter_path in the preset, pass --drafter PATH, "
-                      "or use --random-drafter (tests) or --ar (no speculation)")
+  folder = served_drafter_folder(preset, path)
   from redrafter_jax.weights.drafter_io import load_drafter
 
   try:
@@ -185,7 +203,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
           model_name: str | None = None, warmup: bool = False,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
           cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
-          tree: str = "preset", trees: Sequence[str] = ()) -> Server:
+          tree: str = "preset", trees: Sequence[str] = (),
+          startup: Startup | None = None) -> Server:
   """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
 
   ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
@@ -193,11 +212,15 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   the preset's draft tree; "auto" the one predicted fastest on this device for the drafter
   (``served_decode``, batch 1; the preset's when the drafter has no acceptance table).
   ``trees``: smaller trees the policy may run instead at a step's rows
-  (``with_smaller_trees``; ``EngineConfig.trees``).
+  (``with_smaller_trees``; ``EngineConfig.trees``). ``startup``: hears each stage and warm-up
+  program (``serve_forever``'s ``/health`` reports them while this runs).
   """
   from redrafter_jax.weights import tokenizer as tokenizer_lib
+
+  stage = startup.stage if startup is not None else (lambda name: log.info("%s", name))
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
 
+  stage("loading the model")
   mesh = serving_mesh(devices)
   param_dtype = serving_param_dtype(preset, drafter_path=drafter_path,
                                     random_drafter=random_drafter)
@@ -210,6 +233,7 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
       min_context_bucket=min_context_bucket, prefill_tokens=prefill_tokens)
   drafter = None
   if engine_config.speculative:
+    stage("loading the drafter")
     drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
     if drafter.config.feature_layers:
       raise ConfigError(f"the server cannot serve a drafter that reads several LLM layers yet "
@@ -219,6 +243,7 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
     folder = None
     if not random_drafter:
       folder = drafter_folder(preset, drafter_path)
+      stage("choosing the draft tree" if tree == "auto" else "reading the drafter's settings")
       decode, prior = served_decode(preset, llm, drafter, drafter_path, tree=tree)
       engine_config = dataclasses.replace(engine_config, decode=decode,
                                           prior_tokens_per_step=prior)
@@ -228,7 +253,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   weights = jax.numpy.dtype(llm.param_dtype).name
   del llm, drafter  # the engine holds the placed copies
   if warmup:
-    engine.warmup()
+    stage("warm-up: compiling every prompt bucket and step, then timing the steps")
+    engine.warmup(progress=startup.warmup if startup is not None else None)
   engine.start()
   d = preset.decode
   name = model_name or preset.model
@@ -297,16 +323,38 @@ def url_of(host: str, port: int) -> str:
   return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve_forever(server: Server, host: str, port: int,
+def serve_forever(build_server: Callable[[Startup], Server], host: str, port: int,
                   shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
-  """Serve until SIGINT/SIGTERM, shut down gracefully, then stop the engine. Prints the bound
-  address (``listening on http://HOST:PORT``, the real port when ``port`` is 0) once it
-  accepts connections."""
+  """Listen on ``host:port`` at once and print ``listening on http://HOST:PORT`` (the real port
+  when ``port`` is 0); meanwhile ``build_server(startup)`` (``build`` with ``startup=``) runs in
+  a background thread, ``/health`` answering 503 with its progress. Then serve until
+  SIGINT/SIGTERM, shut down gracefully, and stop the engine. A build that fails stops the
+  listener and its error is raised here (the CLI prints it as one line)."""
   sock = _bind(host, port)
-  announce = f"listening on {url_of(host, sock.getsockname()[1])} (OpenAI API under /v1)"
+  startup = Startup()
+  announce = (f"listening on {url_of(host, sock.getsockname()[1])} (OpenAI API under /v1; "
+              "/health answers 503 until the model is ready)")
+  uv = make_server(startup, log_level="info", grace=shutdown_grace, announce=announce)
+  outcome: dict = {}
+
+  def build_in_background():
+    try:
+      outcome["server"] = build_server(startup)
+      startup.ready(outcome["server"].app)
+    except BaseException as e:  # reported by the main thread, after the listener closes
+      outcome["error"] = e
+      startup.fail(e)
+      uv.should_exit = True
+
+  builder = threading.Thread(target=build_in_background, name="redrafter-startup", daemon=True)
+  builder.start()
   try:
-    make_server(server.app, log_level="info", grace=shutdown_grace, announce=announce).run(
-        sockets=[sock])
+    uv.run(sockets=[sock])
   finally:
     sock.close()
-    server.close()
+    if "server" in outcome:
+      outcome["server"].close()
+  if "error" in outcome:
+    raise outcome["error"]
+  if builder.is_alive():
+    log.info("stopped while starting up")

@@ -9,6 +9,9 @@ keys as ``train.py``'s command line)::
     baseline: {}
     exit_dim_768: {drafter.exit_dim: 768}
 
+An optional ``common`` mapping holds overrides every variant shares (applied to the base before
+the variant's own), e.g. another features folder or output folder for the whole ablation.
+
 Variant ``NAME`` trains into ``<base train.output_dir>/NAME`` (resumable: a rerun continues
 where a stopped one ended and skips finished ones), and ``table`` reads each variant's
 ``eval.csv`` (the held-out scores at its last step) and ``metrics.csv`` (training throughput)
@@ -34,6 +37,7 @@ from redrafter_jax.config import ConfigError, Preset, load_preset, read_yaml
 class Ablation:
   base: str  # the base preset (YAML)
   variants: Mapping[str, Mapping[str, Any]]  # name -> dotted overrides
+  common: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # for every variant
 
   def preset(self, name: str) -> Preset:
     """The preset variant ``name`` trains with (its own output folder under the base's)."""
@@ -42,15 +46,21 @@ class Ablation:
     overrides = dict(self.variants[name])
     if "train.output_dir" in overrides:
       raise ConfigError(f"variant {name!r}: train.output_dir is set by the ablation")
-    root = load_preset(self.base).train.output_dir
-    return load_preset(self.base, {**overrides, "train.output_dir": f"{root}/{name}"})
+    root = load_preset(self.base, dict(self.common)).train.output_dir
+    return load_preset(self.base, {**self.common, **overrides,
+                                   "train.output_dir": f"{root}/{name}"})
 
 
 def load_ablation(path: str | pathlib.Path) -> Ablation:
   path = pathlib.Path(path)
   data = read_yaml(path, "ablation file")
-  if not isinstance(data, dict) or set(data) - {"base", "variants"} or "base" not in data:
-    raise ConfigError(f"{path}: expected the keys 'base' (a preset) and 'variants'")
+  if not isinstance(data, dict) or set(data) - {"base", "variants", "common"} \
+      or "base" not in data:
+    raise ConfigError(f"{path}: expected the keys 'base' (a preset), 'variants' and optionally "
+                      "'common'")
+  common = data.get("common") or {}
+  if not isinstance(common, dict) or not all(isinstance(k, str) for k in common):
+    raise ConfigError(f"{path}: 'common' must map dotted keys to values")
   variants = data.get("variants") or {}
   if not isinstance(variants, dict) or not variants:
     raise ConfigError(f"{path}: 'variants' must map names to overrides")
@@ -59,7 +69,8 @@ def load_ablation(path: str | pathlib.Path) -> Ablation:
       raise ConfigError(f"{path}: variant {name!r} must map dotted keys to values")
     if not str(name).replace("_", "").replace("-", "").isalnum():
       raise ConfigError(f"{path}: variant name {name!r} must be letters, digits, '_' or '-'")
-  ablation = Ablation(str(data["base"]), {str(k): dict(v) for k, v in variants.items()})
+  ablation = Ablation(str(data["base"]), {str(k): dict(v) for k, v in variants.items()},
+                      dict(common))
   for name in ablation.variants:  # every override must parse before anything trains
     ablation.preset(name)
   return ablation

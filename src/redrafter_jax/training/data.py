@@ -93,10 +93,12 @@ class ShardSource:
   """Random access to the records of several shards (grain's ``RandomAccessDataSource``
   protocol). Shards are small and compressed: all are read into memory at once. With
   ``feature_paths`` (one ``features.py`` file per shard, memory-mapped) each record also holds
-  ``hidden``, the LLM's states over its ``seq_len`` window."""
+  ``hidden``, the LLM's states over its ``seq_len`` window (``hidden_columns``: only these of
+  each file's columns, per file: ``features.feature_columns``)."""
 
   def __init__(self, paths: Sequence[str | pathlib.Path],
-               feature_paths: Sequence[str | pathlib.Path] | None = None, seq_len: int = 0):
+               feature_paths: Sequence[str | pathlib.Path] | None = None, seq_len: int = 0,
+               hidden_columns: Sequence | None = None):
     self._records = []
     for i, path in enumerate(paths):
       records = read_shard(path)
@@ -107,15 +109,24 @@ class ShardSource:
           raise DataError(f"{feature_paths[i]}: {hidden.shape[0]} rows of states, but the "
                           f"windows of {path} hold {sum(sizes)} tokens at seq_len={seq_len}")
         ends = np.cumsum(sizes)
+        cols = None if hidden_columns is None else hidden_columns[i]
         for r, end, size in zip(records, ends, sizes):
-          r["hidden"] = hidden[end - size:end]
+          # a slice keeps a memory-mapped view; index arrays are applied when a record is read
+          r["hidden"] = hidden[end - size:end] if not isinstance(cols, slice) \
+              else hidden[end - size:end, cols]
+          if cols is not None and not isinstance(cols, slice):
+            r["_hidden_columns"] = cols
       self._records += records
 
   def __len__(self) -> int:
     return len(self._records)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
-    return self._records[index]
+    r = self._records[index]
+    if "_hidden_columns" in r:
+      r = {k: v for k, v in r.items() if k != "_hidden_columns"}
+      r["hidden"] = np.asarray(r["hidden"])[:, self._records[index]["_hidden_columns"]]
+    return r
 
 
 def read_manifest(folder: str | pathlib.Path) -> dict[str, Any]:
@@ -281,20 +292,26 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
   if not 0 <= start < stop <= global_batch:
     raise DataError(f"rows {rows} are not a slice of the global batch of {global_batch}")
   paths = shard_paths(folder, holdout=holdout, part=part, first=first)
-  hidden_paths = None
+  hidden_paths = hidden_columns = None
   if features is not None:
-    from redrafter_jax.training.features import feature_paths
+    from redrafter_jax.training.features import (feature_columns, feature_paths,
+                                                  features_settings)
 
     feats = folders(features)
     if len(feats) != len(folders(folder)):
       raise DataError(f"give one features folder per data folder: {len(feats)} for "
                       f"{len(folders(folder))}")
-    hidden_paths = [q for d, f in zip(folders(folder), feats)
-                    for q in feature_paths(f, shard_paths(d, holdout=holdout, part=part,
-                                                          first=first),
-                                           seq_len=seq_len, hidden_size=hidden_size,
-                                           feature_layers=feature_layers)]
-  source = ShardSource(paths, hidden_paths, seq_len)
+    hidden_paths, hidden_columns = [], []
+    for d, f in zip(folders(folder), feats):
+      got = feature_paths(f, shard_paths(d, holdout=holdout, part=part, first=first),
+                          seq_len=seq_len, hidden_size=hidden_size,
+                          feature_layers=feature_layers)
+      stored = features_settings(f) if got else {}
+      cols = feature_columns(stored.get("feature_layers", []), feature_layers,
+                             stored.get("hidden_size")) if got else None
+      hidden_paths += got
+      hidden_columns += [cols] * len(got)
+  source = ShardSource(paths, hidden_paths, seq_len, hidden_columns)
   if len(source) == 0:
     raise DataError(f"{', '.join(map(str, folders(folder)))}: the shards hold no records")
   # repeat() after shuffle() reseeds the shuffle every epoch (grain's documented behaviour).

@@ -23,7 +23,10 @@ Layout of a features folder (one per data folder, shard for shard)::
 
 With ``feature_layers`` (a multi-layer drafter's ``DrafterConfig.feature_layers``; listed in the
 manifest's settings) each row is ``[D + k*D]``: the last hidden state (the soft targets' source),
-then the normed states of those layers (``Llama.forward_layers``: what the drafter reads).
+then the normed states of those layers (``Llama.forward_layers``: what the drafter reads). Such a
+folder also serves drafters that read fewer of its layers, down to none (the last hidden state
+alone): training reads only their columns (``feature_columns``), so one folder serves a whole
+ablation over layer choices and its baseline.
 
 The command resumes: shards the manifest lists are skipped.
 """
@@ -152,12 +155,33 @@ def _write_json(path: pathlib.Path, obj) -> None:
   tmp.replace(path)
 
 
+def feature_columns(stored_layers: Sequence[int], wanted_layers: Sequence[int],
+                    hidden_size: int):
+  """The columns of a features row (``[D + k*D]`` for ``stored_layers``) that a drafter reading
+  ``wanted_layers`` needs: None for all of them, a slice when they are contiguous (rows stay
+  memory-mapped views), else an index array. ``wanted_layers`` must be among the stored."""
+  stored, D = list(stored_layers), hidden_size
+  if list(wanted_layers) == stored:
+    return None
+  blocks = [0] + [1 + stored.index(i) for i in wanted_layers]
+  cols = np.concatenate([np.arange(b * D, (b + 1) * D) for b in blocks])
+  if np.array_equal(cols, np.arange(cols[0], cols[0] + cols.size)):
+    return slice(int(cols[0]), int(cols[0]) + cols.size)
+  return cols
+
+
+def features_settings(features: str | pathlib.Path) -> dict[str, Any]:
+  """A features folder's settings (model, seq_len, dtype, hidden_size, feature_layers if any)."""
+  path = pathlib.Path(features) / data_lib.MANIFEST
+  return json.loads(path.read_text())["settings"]
+
+
 def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], *, seq_len: int,
                   hidden_size: int | None = None, model_name: str | None = None,
                   feature_layers: tuple[int, ...] = ()) -> list[pathlib.Path]:
   """The feature file of each data shard in ``shards``, checked against the manifest: made for
-  this ``seq_len`` (and hidden size and model, when given) and these ``feature_layers``, and
-  for exactly these shards' bytes."""
+  this ``seq_len`` (and hidden size and model, when given), holding these ``feature_layers``
+  (and maybe more: ``feature_columns``), and for exactly these shards' bytes."""
   folder = pathlib.Path(features)
   path = folder / data_lib.MANIFEST
   if not path.is_file():
@@ -168,10 +192,11 @@ def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], 
   want = dict(seq_len=seq_len, **({"hidden_size": hidden_size} if hidden_size else {}),
               **({"model": model_name} if model_name else {}))
   got = {k: s.get(k) for k in want}
-  want["feature_layers"] = list(feature_layers)
-  got["feature_layers"] = list(s.get("feature_layers", []))
-  if got != want:
-    raise data_lib.DataError(f"{folder}: features made with {got}, but training needs {want}")
+  stored = list(s.get("feature_layers", []))
+  if got != want or not set(feature_layers) <= set(stored):
+    raise data_lib.DataError(
+        f"{folder}: features made with {dict(got, feature_layers=stored)}, but training needs "
+        f"{dict(want, feature_layers=list(feature_layers))} (layers: any of the stored ones)")
   out = []
   for shard in shards:
     entry = manifest["shards"].get(shard.name)

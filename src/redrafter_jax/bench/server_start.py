@@ -1,0 +1,155 @@
+"""``python -m redrafter_jax.bench server_start``: how long ``redrafter-jax serve`` takes to be ready,
+from a cold and a warm compilation cache, and the memory it holds.
+
+Each run starts the server as a subprocess with ``--compile-cache DIR`` (a fresh empty folder for
+the first, cold, run; the same folder, now filled, for the warm runs after it), polls ``/health``
+from the moment the process starts until it answers 200, then stops it with SIGTERM. Reported
+per run: seconds until the port answered, seconds until ready, the warm-up's program count (from
+the 503 progress bodies), the resident memory at ready and its peak (``VmRSS``, ``VmHWM`` from
+``/proc``), and the exit status. The drafter's per-device tree timing (``--tree auto``) has its
+own cache beside the model; the table says whether it was already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench server_start",
+                              description=__doc__.strip().splitlines()[0])
+  p.add_argument("--config", default="configs/smollm2_135m.yaml", help="the serving preset")
+  p.add_argument("--warm-runs", type=int, default=1, help="runs after the cold one")
+  p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for ready")
+  p.add_argument("--out", type=pathlib.Path, help="also write the table here (and a .json)")
+  p.add_argument("serve_args", nargs="*", metavar="ARG",
+                 help="more `serve` arguments, after --, e.g. -- --slots 4 --ar")
+  args = p.parse_args(argv)
+  if args.warm_runs < 0 or args.timeout <= 0:
+    p.error("--warm-runs must be >= 0 and --timeout > 0")
+  if not pathlib.Path(args.config).is_file():
+    p.error(f"--config: no such file {args.config}")
+  return args
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def memory_kb(pid: int) -> dict[str, int]:
+  """``VmRSS`` and ``VmHWM`` (peak) of a process, in kB (empty when it is gone)."""
+  try:
+    lines = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+  except OSError:
+    return {}
+  out = {}
+  for line in lines:
+    key, _, value = line.partition(":")
+    if key in ("VmRSS", "VmHWM"):
+      out[key] = int(value.split()[0])
+  return out
+
+
+def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
+  import httpx
+
+  port = free_port()
+  cmd = [sys.executable, "-m", "redrafter_jax.cli", "serve", "--config", args.config, "--port",
+         str(port), "--compile-cache", str(cache), *args.serve_args]
+  t0 = time.monotonic()
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+  out = dict(command=" ".join(cmd[1:]), listening_s=None, ready_s=None, warmup_programs=None,
+             rss_mb=None, peak_rss_mb=None, exit_status=None, error=None)
+  try:
+    while time.monotonic() - t0 < args.timeout:
+      if proc.poll() is not None:
+        out["error"] = f"exited {proc.returncode} before ready (log: {log_path})"
+        return out
+      try:
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+      except httpx.TransportError:
+        time.sleep(0.1)
+        continue
+      if out["listening_s"] is None:
+        out["listening_s"] = time.monotonic() - t0
+      if r.status_code == 200:
+        out["ready_s"] = time.monotonic() - t0
+        mem = memory_kb(proc.pid)
+        out["rss_mb"], out["peak_rss_mb"] = mem.get("VmRSS", 0) / 1024, mem.get("VmHWM", 0) / 1024
+        break
+      body = r.json()
+      if body.get("status") == "failed":
+        out["error"] = body.get("error")
+        return out
+      if "warmup" in body:
+        out["warmup_programs"] = body["warmup"]["total"]
+      time.sleep(0.2)
+    else:
+      out["error"] = f"not ready within {args.timeout:.0f} s (log: {log_path})"
+    return out
+  finally:
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGTERM)
+      try:
+        proc.wait(60)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out["exit_status"] = proc.returncode
+
+
+def table(args, runs: list[dict], trees_cached: bool) -> str:
+  fmt = lambda v, f="{:.1f}": "n/a" if v is None else f.format(v)
+  lines = [f"# Server start-up ({time.strftime('%Y-%m-%d')})", "",
+           f"`python -m redrafter_jax.bench server_start --config {args.config}"
+           + (f" -- {' '.join(args.serve_args)}" if args.serve_args else "") + "`", "",
+           f"{os.cpu_count()} CPUs; the tree timings of `--tree auto` were "
+           f"{'already cached' if trees_cached else 'not cached (the first run timed them)'}.",
+           "", "| run | compile cache | port answers (s) | ready (s) | warm-up programs "
+           "| RSS at ready (MB) | peak RSS (MB) | exit | error |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+  for i, r in enumerate(runs):
+    lines.append(f"| {i + 1} | {'cold' if i == 0 else 'warm'} | {fmt(r['listening_s'])} "
+                 f"| {fmt(r['ready_s'])} | {fmt(r['warmup_programs'], '{}')} "
+                 f"| {fmt(r['rss_mb'], '{:.0f}')} | {fmt(r['peak_rss_mb'], '{:.0f}')} "
+                 f"| {fmt(r['exit_status'], '{}')} | {r['error'] or ''} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from redrafter_jax.bench._common import emit
+  from redrafter_jax.weights.fetch import cache_dir
+
+  trees_cached = any((pathlib.Path(cache_dir()) / "trees").glob("*"))
+  runs = []
+  with tempfile.TemporaryDirectory(prefix="server-start-") as tmp:
+    cache = pathlib.Path(tmp) / "xla"
+    cache.mkdir()
+    for i in range(1 + args.warm_runs):
+      runs.append(one_start(args, cache, pathlib.Path(tmp) / f"serve-{i}.log"))
+      print(f"run {i + 1}: {runs[-1]}", file=sys.stderr, flush=True)
+      if runs[-1]["error"]:
+        print((pathlib.Path(tmp) / f"serve-{i}.log").read_text()[-3000:], file=sys.stderr)
+        break
+  report = table(args, runs, trees_cached)
+  emit(report, args.out)
+  if args.out:
+    args.out.with_suffix(".json").write_text(json.dumps(dict(runs=runs), indent=1))
+  return 1 if any(r["error"] for r in runs) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

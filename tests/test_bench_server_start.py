@@ -1,0 +1,40 @@
+"""``bench server_start``: the server's time to ready from a cold and a warm compilation cache."""
+
+import json
+
+import pytest
+
+from redrafter_jax.bench import server_start
+
+
+@pytest.mark.slow  # two server start-ups with their warm-ups (~1-2 min)
+def test_cold_then_warm_start(tmp_path, capsys):
+  out = tmp_path / "start.md"
+  rc = server_start.main(["--config", "configs/tiny.yaml", "--out", str(out), "--",
+                          "--random-drafter", "--devices", "1", "--slots", "2",
+                          "--max-tokens", "16", "--max-context", "128"])
+  assert rc == 0, capsys.readouterr().err[-3000:]
+  runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+  assert len(runs) == 2
+  for r in runs:
+    assert r["error"] is None and r["exit_status"] == 0
+    assert 0 < r["listening_s"] <= r["ready_s"]
+    assert r["rss_mb"] > 0 and r["peak_rss_mb"] >= r["rss_mb"]
+  assert runs[0]["warmup_programs"] and runs[0]["warmup_programs"] > 0
+  text = out.read_text()
+  assert "| 1 | cold |" in text and "| 2 | warm |" in text
+
+
+def test_bad_arguments():
+  for argv in (["--warm-runs", "-1"], ["--config", "/nonexistent.yaml"], ["--timeout", "0"]):
+    with pytest.raises(SystemExit) as e:
+      server_start.parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_memory_of_this_process():
+  import os
+
+  mem = server_start.memory_kb(os.getpid())
+  assert mem["VmRSS"] > 0 and mem["VmHWM"] >= mem["VmRSS"]
+  assert server_start.memory_kb(2 ** 22 + 12345) == {}
