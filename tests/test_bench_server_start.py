@@ -23,6 +23,8 @@ def test_cold_then_warm_start(tmp_path, capsys):
   assert runs[0]["warmup_programs"] and runs[0]["warmup_programs"] > 0
   text = out.read_text()
   assert "| 1 | cold |" in text and "| 2 | warm |" in text
+  log = (tmp_path / "start-run1.log").read_text()
+  assert "warm-up 1/" in log and "ready in" in log and "GET /health" not in log
 
 
 def test_bad_arguments():

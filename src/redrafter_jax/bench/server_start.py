@@ -7,7 +7,9 @@ from the moment the process starts until it answers 200, then stops it with SIGT
 per run: seconds until the port answered, seconds until ready, the warm-up's program count (from
 the 503 progress bodies), the resident memory at ready and its peak (``VmRSS``, ``VmHWM`` from
 ``/proc``), and the exit status. The drafter's per-device tree timing (``--tree auto``) has its
-own cache beside the model; the table says whether it was already there.
+own cache beside the model; the table says whether it was already there. With ``--out``, each
+run's server log (its start-up stages and every warm-up program's seconds; the ``/health`` polls
+left out) is kept beside the table as ``<name>-run<i>.log``.
 """
 
 from __future__ import annotations
@@ -139,10 +141,16 @@ def main(argv=None) -> int:
     cache = pathlib.Path(tmp) / "xla"
     cache.mkdir()
     for i in range(1 + args.warm_runs):
-      runs.append(one_start(args, cache, pathlib.Path(tmp) / f"serve-{i}.log"))
+      log_path = pathlib.Path(tmp) / f"serve-{i}.log"
+      runs.append(one_start(args, cache, log_path))
       print(f"run {i + 1}: {runs[-1]}", file=sys.stderr, flush=True)
+      if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in log_path.read_text().splitlines(keepends=True)
+                if '"GET /health' not in line]
+        (args.out.parent / f"{args.out.stem}-run{i + 1}.log").write_text("".join(kept))
       if runs[-1]["error"]:
-        print((pathlib.Path(tmp) / f"serve-{i}.log").read_text()[-3000:], file=sys.stderr)
+        print(log_path.read_text()[-3000:], file=sys.stderr)
         break
   report = table(args, runs, trees_cached)
   emit(report, args.out)
