@@ -150,9 +150,9 @@ def test_sixteen_concurrent_requests_match_decode(client, llm, tok):
   assert got == greedy_text(llm, [encode(tok, p) for p in PROMPTS], MAX_TOKENS)
 
 
-def _post(url, path, body: bytes | str | dict):
+def _post(url, path, body: bytes | str | dict, timeout: float = 60):
   content = json.dumps(body) if isinstance(body, dict) else body
-  return httpx.post(f"{url}{path}", content=content, timeout=60,
+  return httpx.post(f"{url}{path}", content=content, timeout=timeout,
                     headers={"content-type": "application/json"})
 
 
@@ -311,13 +311,20 @@ def test_queue_limit_429_and_disconnect_frees_the_slot(one_slot):
                       timeout=120) as first:
       event = next(line for line in first.iter_lines() if line.startswith("data: "))  # in the slot
       result = {}
-      waiter = threading.Thread(target=lambda: result.update(
-          r=_post(url, "/v1/completions", {**GOOD, "max_tokens": 3})))
+
+      def wait_in_queue():  # queued behind the gated stream: it must outlast the checks below
+        try:
+          result["r"] = _post(url, "/v1/completions", {**GOOD, "max_tokens": 3}, timeout=600)
+        except Exception as e:  # shown by the assertion below, not lost in the thread
+          result["r"] = e
+
+      waiter = threading.Thread(target=wait_in_queue)
       waiter.start()
       _wait(lambda: _health(url)["queue_length"] == 1 or not waiter.is_alive(),
             state=lambda: f"(first stream's first event {event!r}; /health {_health(url)})")
       r = result.get("r")
-      assert waiter.is_alive(), f"the waiting request ended: {r and (r.status_code, r.text)}"
+      assert waiter.is_alive(), (
+          f"the waiting request ended: {getattr(r, 'status_code', r)} {getattr(r, 'text', '')}")
       refused = _post(url, "/v1/completions", GOOD)  # slot busy, queue full
       assert refused.status_code == 429, refused.text
       assert refused.json()["error"]["code"] == "queue_full"
