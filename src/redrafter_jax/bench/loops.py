@@ -221,7 +221,8 @@ def child_argv(args, variant: str) -> list[str]:
           "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
           "--prompt-tokens", str(args.prompt_tokens), "--max-new-tokens",
           str(args.max_new_tokens), "--prompt-multiple", str(args.prompt_multiple),
-          *(["--cache-size", str(args.cache_size)] if args.cache_size else []), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+          *(["--cache-size", str(args.cache_size)] if args.cache_size else []),
+          "--batch-sizes", ",".join(map(str, args.batch_sizes)),
           "--steps-per-check", ",".join(map(str, args.steps_per_check)),
           "--reps", str(args.reps), "--variant", variant]
   return argv + ([] if args.draft_vocab is None else ["--draft-vocab", str(args.draft_vocab)])

@@ -284,10 +284,9 @@ class Engine:
     # Only greedy batches switch modes unless ``adaptive_sampled``: time the other kinds then.
     kinds = policy_lib.KINDS if self.config.adaptive_sampled else ("greedy",)
     def each(done: int, total: int, what: str, seconds: float) -> None:
+      log.info("warm-up %d/%d: %s in %.2f s", done, total, what, seconds)
       if progress is not None:
         progress(done, total, what, seconds)
-      else:
-        log.info("warm-up %d/%d: %s in %.2f s", done, total, what, seconds)
 
     costs = self._place.warmup(kinds=kinds, progress=each)
     if self.config.adaptive:

@@ -192,26 +192,21 @@ class Placement:
     programs = [(b, mode, c) for b in self.row_buckets() for mode in self.modes()
                 for c in self.context_buckets()]
     admissions = [(T, k) for T in self.buckets() for k in self.admission_rows(T)]
-    total = len(admissions) + len(programs)
-    budget = MappingBudget(total)
-
-    def ran(what: str, t0: float) -> None:
+    first_runs = [(f"admission of {k} prompt(s) of {T} tokens",
+                   lambda T=T, k=k: self.admit([self.admission(slot, [0] * T, 0, 0.0, 1.0, 0, 1)
+                                                for slot in range(k)]))
+                  for T, k in admissions]
+    first_runs += [(f"{mode} step, {b} rows, context {c}",
+                    lambda b=b, mode=mode, c=c: self.step(list(range(b)), [False] * b, False,
+                                                          True, mode, c))
+                   for b, mode, c in programs]
+    budget = MappingBudget(len(first_runs))
+    for done, (what, run) in enumerate(first_runs, 1):  # compile
+      budget.check()
+      t0 = time.perf_counter()
+      jax.block_until_ready(run())
       if progress is not None:
-        ran.done += 1
-        progress(ran.done, total, what, time.perf_counter() - t0)
-    ran.done = 0
-
-    for T, k in admissions:
-      budget.check()
-      t0 = time.perf_counter()
-      jax.block_until_ready(
-          self.admit([self.admission(slot, [0] * T, 0, 0.0, 1.0, 0, 1) for slot in range(k)]))
-      ran(f"admission of {k} prompt(s) of {T} tokens", t0)
-    for b, mode, c in programs:  # compile
-      budget.check()
-      t0 = time.perf_counter()
-      jax.block_until_ready(self.step(list(range(b)), [False] * b, False, True, mode, c))
-      ran(f"{mode} step, {b} rows, context {c}", t0)
+        progress(done, len(first_runs), what, time.perf_counter() - t0)
     times = {(b, mode, kind, c): [] for b, mode, c in programs for kind in kinds}
     for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
       for b, mode, kind, c in times:

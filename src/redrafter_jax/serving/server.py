@@ -216,10 +216,9 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   program (``serve_forever``'s ``/health`` reports them while this runs).
   """
   from redrafter_jax.weights import tokenizer as tokenizer_lib
-
-  stage = startup.stage if startup is not None else (lambda name: log.info("%s", name))
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
 
+  stage = startup.stage if startup is not None else (lambda name: log.info("%s", name))
   stage("loading the model")
   mesh = serving_mesh(devices)
   param_dtype = serving_param_dtype(preset, drafter_path=drafter_path,

@@ -46,10 +46,10 @@ class Startup:
     log.info("start-up: %s (%.1f s in)", name, time.monotonic() - self._t0)
 
   def warmup(self, done: int, total: int, what: str, seconds: float) -> None:
-    """One warm-up program ran (compiled, or loaded from the compilation cache)."""
+    """One warm-up program ran (compiled, or loaded from the compilation cache; the engine logs
+    it)."""
     with self._lock:
       self._done, self._total = done, total
-    log.info("warm-up %d/%d: %s in %.2f s", done, total, what, seconds)
 
   def ready(self, app) -> None:
     with self._lock:

@@ -99,7 +99,7 @@ class ShardSource:
   def __init__(self, paths: Sequence[str | pathlib.Path],
                feature_paths: Sequence[str | pathlib.Path] | None = None, seq_len: int = 0,
                hidden_columns: Sequence | None = None):
-    self._records = []
+    self._records, self._columns = [], []
     for i, path in enumerate(paths):
       records = read_shard(path)
       if feature_paths is not None:
@@ -109,24 +109,19 @@ class ShardSource:
           raise DataError(f"{feature_paths[i]}: {hidden.shape[0]} rows of states, but the "
                           f"windows of {path} hold {sum(sizes)} tokens at seq_len={seq_len}")
         ends = np.cumsum(sizes)
-        cols = None if hidden_columns is None else hidden_columns[i]
         for r, end, size in zip(records, ends, sizes):
-          # a slice keeps a memory-mapped view; index arrays are applied when a record is read
-          r["hidden"] = hidden[end - size:end] if not isinstance(cols, slice) \
-              else hidden[end - size:end, cols]
-          if cols is not None and not isinstance(cols, slice):
-            r["_hidden_columns"] = cols
+          r["hidden"] = hidden[end - size:end]
+      cols = None if hidden_columns is None else hidden_columns[i]
       self._records += records
+      self._columns += [cols] * len(records)
 
   def __len__(self) -> int:
     return len(self._records)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
-    r = self._records[index]
-    if "_hidden_columns" in r:
-      r = {k: v for k, v in r.items() if k != "_hidden_columns"}
-      r["hidden"] = np.asarray(r["hidden"])[:, self._records[index]["_hidden_columns"]]
-    return r
+    r, cols = self._records[index], self._columns[index]
+    # columns are taken as a record is read: the memory-mapped states stay on disk until then
+    return r if cols is None else {**r, "hidden": r["hidden"][:, cols]}
 
 
 def read_manifest(folder: str | pathlib.Path) -> dict[str, Any]:
@@ -294,8 +289,7 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
   paths = shard_paths(folder, holdout=holdout, part=part, first=first)
   hidden_paths = hidden_columns = None
   if features is not None:
-    from redrafter_jax.training.features import (feature_columns, feature_paths,
-                                                  features_settings)
+    from redrafter_jax.training.features import feature_paths
 
     feats = folders(features)
     if len(feats) != len(folders(folder)):
@@ -303,12 +297,9 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
                       f"{len(folders(folder))}")
     hidden_paths, hidden_columns = [], []
     for d, f in zip(folders(folder), feats):
-      got = feature_paths(f, shard_paths(d, holdout=holdout, part=part, first=first),
-                          seq_len=seq_len, hidden_size=hidden_size,
-                          feature_layers=feature_layers)
-      stored = features_settings(f) if got else {}
-      cols = feature_columns(stored.get("feature_layers", []), feature_layers,
-                             stored.get("hidden_size")) if got else None
+      got, cols = feature_paths(f, shard_paths(d, holdout=holdout, part=part, first=first),
+                                seq_len=seq_len, hidden_size=hidden_size,
+                                feature_layers=feature_layers)
       hidden_paths += got
       hidden_columns += [cols] * len(got)
   source = ShardSource(paths, hidden_paths, seq_len, hidden_columns)

@@ -170,18 +170,13 @@ def feature_columns(stored_layers: Sequence[int], wanted_layers: Sequence[int],
   return cols
 
 
-def features_settings(features: str | pathlib.Path) -> dict[str, Any]:
-  """A features folder's settings (model, seq_len, dtype, hidden_size, feature_layers if any)."""
-  path = pathlib.Path(features) / data_lib.MANIFEST
-  return json.loads(path.read_text())["settings"]
-
-
 def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], *, seq_len: int,
                   hidden_size: int | None = None, model_name: str | None = None,
-                  feature_layers: tuple[int, ...] = ()) -> list[pathlib.Path]:
-  """The feature file of each data shard in ``shards``, checked against the manifest: made for
-  this ``seq_len`` (and hidden size and model, when given), holding these ``feature_layers``
-  (and maybe more: ``feature_columns``), and for exactly these shards' bytes."""
+                  feature_layers: tuple[int, ...] = ()):
+  """``(paths, columns)``: the feature file of each data shard in ``shards``, checked against
+  the manifest: made for this ``seq_len`` (and hidden size and model, when given), holding these
+  ``feature_layers`` (and maybe more), and for exactly these shards' bytes; and the columns of
+  those files the layers need (``feature_columns``)."""
   folder = pathlib.Path(features)
   path = folder / data_lib.MANIFEST
   if not path.is_file():
@@ -207,4 +202,4 @@ def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], 
       raise data_lib.DataError(f"{folder}: features of {shard.name} were made from other data "
                                "(its SHA-256 differs)")
     out.append(folder / entry["file"])
-  return out
+  return out, feature_columns(stored, feature_layers, s["hidden_size"])
