@@ -153,3 +153,66 @@ def test_tree_keys_put_ancestors_in_ar_positions():
   np.testing.assert_array_equal(src[3, :6], [0, 1, 2, 3, 4, 6])  # c sees root, a, itself
   np.testing.assert_array_equal(src[2, :5], [0, 1, 2, 3, 5])  # b sees root, itself
   np.testing.assert_array_equal(vis.sum(axis=1), [4, 5, 5, 6])
+
+
+def test_sums_and_norms_do_not_depend_on_the_row_count():
+  """XLA:CPU orders a row's sum by the whole array's shape; the invariant mode's sums
+  (``fixed_sum``: the softmax's chunk sums, the RMS norm's mean) do not change with it."""
+  from redrafter_jax.models.llama import RMSNorm
+
+  x = jax.random.normal(jax.random.key(2), (256, 576)).astype(jnp.bfloat16)
+  opts = inv.COMPILER_OPTIONS
+  total = jax.jit(lambda x: inv.fixed_sum(x.astype(jnp.float32) ** 2, keepdims=True),
+                  compiler_options=opts)
+  norm = RMSNorm(576, 1e-5, param_dtype=jnp.bfloat16, invariant=True)
+  normed = jax.jit(lambda x: norm(x), compiler_options=opts)
+  ref_sum, ref_norm = np.asarray(total(x[:1])), np.asarray(normed(x[:1]).astype(jnp.float32))
+  for rows in (2, 3, 5, 8, 12, 64, 256):
+    np.testing.assert_array_equal(np.asarray(total(x[:rows]))[:1], ref_sum)
+    np.testing.assert_array_equal(np.asarray(normed(x[:rows]).astype(jnp.float32))[:1],
+                                  ref_norm)
+  exact = np.sum(np.asarray(x[0], np.float64) ** 2)
+  assert abs(float(ref_sum[0, 0]) - exact) <= 1e-5 * exact
+  odd = jax.random.uniform(jax.random.key(3), (3, 5, 37))  # not a power of two, not last
+  np.testing.assert_allclose(np.asarray(inv.fixed_sum(odd, axis=1)), np.asarray(odd.sum(1)),
+                             rtol=1e-6)
+
+
+def test_the_invariant_mode_compiles_its_programs_with_its_options():
+  from redrafter_jax.inference.runtime import ModeJit
+
+  seen = []
+  probe = ModeJit(lambda x: x + 1)
+  assert probe.of(False) is not probe.of(True)
+  for mode in (False, True):
+    seen.append(probe.of(mode).lower(jnp.ones(3)).compile() is not None)
+  assert seen == [True, True]
+  assert inv.compiler_options(True) == inv.COMPILER_OPTIONS
+  assert inv.compiler_options(False) is None
+
+
+def test_server_engine_same_tokens(llm, alone, drafter):
+  """Concurrent requests through the serving engine's slot batch (rows join and leave at
+  different steps, context buckets change) get the tokens each prompt gets alone."""
+  import queue
+
+  import serving_doubles as testing
+  from redrafter_jax.serving.engine import (Engine, EngineConfig, Finished,
+                                            GenerationRequest)
+
+  cfg = EngineConfig(slots=4, max_context=128, max_tokens=NEW, max_queue=16,
+                     decode=DecodeConfig(beam_width=3, beam_length=4, max_new_tokens=NEW),
+                     min_context_bucket=64)
+  engine = Engine(llm, testing.word_tokenizer(V), drafter, config=cfg, stop_ids=()).start()
+  try:
+    events = queue.Queue()
+    for i, p in enumerate(PROMPTS):
+      engine.submit(GenerationRequest(p, max_tokens=NEW), lambda e, i=i: events.put((i, e)))
+    done = {}
+    while len(done) < len(PROMPTS):
+      i, e = events.get(timeout=600)
+      if isinstance(e, Finished):
+        done[i] = e.token_ids
+  finally:
+    engine.stop()
+  assert differing(alone, [done[i] for i in range(len(PROMPTS))]) == []

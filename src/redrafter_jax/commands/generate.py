@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
                  "instructions, else float32 (default: the drafter's recorded setting, auto for "
                  "the shipped one; without a drafter auto, or bfloat16 with --dtype bfloat16)")
   p.add_argument("--backend", choices=BACKENDS, default="xla", help="attention implementation")
+  p.add_argument("--invariant", action="store_true",
+                 help="the invariant mode: the same greedy tokens at any batch and tree, in "
+                 "bfloat16 too, at a cost in time (README: what each mode guarantees)")
   p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
   p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
@@ -137,7 +140,8 @@ def load_model(args, param_dtype: str):
   from redrafter_jax.weights.tokenizer import load_tokenizer
 
   model, _ = load_llama(args.model, dtype=jnp.dtype(args.dtype),
-                        param_dtype=jnp.dtype(param_dtype), backend=args.backend)
+                        param_dtype=jnp.dtype(param_dtype), backend=args.backend,
+                        invariant=args.invariant)
   return model, load_tokenizer(resolve_source(args.model))
 
 

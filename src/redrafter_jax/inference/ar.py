@@ -19,9 +19,11 @@ from flax import nnx, struct
 from redrafter_jax.inference import sampling
 from redrafter_jax.inference.runtime import (GenerateError, Output, cache_size_for, check_sampling,
                                              check_steps_per_check, checked_loop, empty_output,
-                                             keep_unless, pack_prompts, prefill, record)
+                                             keep_unless, mode_jit, pack_prompts, prefill,
+                                             record)
 from redrafter_jax.inference.timing import timed_calls
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.invariant import compiler_options
 from redrafter_jax.models.llama import Llama
 
 
@@ -60,7 +62,8 @@ def one_token_stepper(model: Llama, batch: int, slots: int, length: int
   programs call by call. Each call advances the rows by one slot."""
   graphdef, state = nnx.split(model)
 
-  @functools.partial(jax.jit, donate_argnums=(2,))
+  @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=compiler_options(
+      model.invariant))
   def step(state, last_B, cache):
     logits_BV, cache = one_token_step(nnx.merge(graphdef, state), last_B, cache)
     return sampling.greedy_tokens(logits_BV), cache
@@ -82,9 +85,8 @@ def one_token_step_seconds(model: Llama, batch: int, slots: int, length: int, re
   return timed_calls(one_token_stepper(model, batch, slots, length), repeat)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_size",
-                                             "filtered", "greedy", "steps_per_check"),
-                   donate_argnames=())
+@mode_jit(static_argnames=("graphdef", "max_new_tokens", "cache_size", "filtered", "greedy",
+                           "steps_per_check"))
 def _generate(graphdef, state, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
               stop_ids, *, max_new_tokens: int, cache_size: int, filtered: bool,
               greedy: bool = False, steps_per_check: int = 1) -> Output:
@@ -166,9 +168,9 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
   B = len(prompts)
   params = sampling.SamplingParams.make(B, temperature, top_p, top_k)
   graphdef, state = nnx.split(model)
-  out = _generate(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), params,
-                  jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32),
-                  max_new_tokens=max_new_tokens, cache_size=size,
-                  filtered=sampling.needs_filter(top_p, top_k),
-                  greedy=sampling.all_greedy(temperature), steps_per_check=steps_per_check)
+  out = _generate.of(model.invariant)(
+      graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), params,
+      jax.random.key(seed), jnp.asarray(list(stop_ids) or [-1], jnp.int32),
+      max_new_tokens=max_new_tokens, cache_size=size, filtered=sampling.needs_filter(top_p, top_k),
+      greedy=sampling.all_greedy(temperature), steps_per_check=steps_per_check)
   return Result.from_output(out)

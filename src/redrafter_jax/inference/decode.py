@@ -37,7 +37,8 @@ from flax import nnx
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import sampling
 from redrafter_jax.inference.runtime import (GenerateError, cache_size_for, check_sampling,
-                                             checked_loop, keep_unless, pack_prompts)
+                                             checked_loop, keep_unless, mode_jit,
+                                             pack_prompts)
 from redrafter_jax.inference.step import DecodeState, Metrics, drafter_layers, init, step
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter, restrict_vocab
@@ -46,8 +47,8 @@ from redrafter_jax.models.llama import Llama
 TRACE_COUNT = {"decode": 0}  # incremented when the loop is traced: one trace per static shape
 
 
-@functools.partial(jax.jit, static_argnames=("llm_def", "cfg", "cache_size", "filtered", "greedy",
-                                             "feature_layers"))
+@mode_jit(static_argnames=("llm_def", "cfg", "cache_size", "filtered", "greedy",
+                           "feature_layers"))
 def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *, cfg,
               cache_size, filtered, greedy, feature_layers=()):
   return init(nnx.merge(llm_def, llm_state), tokens_BT, lengths_B, params, rng, stop_ids,
@@ -61,8 +62,7 @@ def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *
 _STATIC = ("llm_def", "drafter_def", "cfg", "filtered", "greedy", "width")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("steps_per_check",),
-                   donate_argnames=("state",))
+@mode_jit(static_argnames=_STATIC + ("steps_per_check",), donate_argnames=("state",))
 def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, embed_VD, state, params, stop_ids,
               *, cfg, filtered, greedy, width, steps_per_check):
   TRACE_COUNT["decode"] += 1
@@ -85,7 +85,7 @@ def _loop_jit(llm_def, llm_state, drafter_def, drafter_state, embed_VD, state, p
   return checked_loop(cond, body, state, steps_per_check)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@mode_jit(static_argnames=_STATIC, donate_argnames=("state",))
 def _step_jit(llm_def, llm_state, drafter_def, drafter_state, embed_VD, state, params, stop_ids,
               *, cfg, filtered, greedy, width):
   return step(nnx.merge(llm_def, llm_state), nnx.merge(drafter_def, drafter_state), state,
@@ -214,6 +214,7 @@ class ReDrafter:
     self.static_config = static_config(config)
     self.llm_config = llm.config
     self.llm_def, self.llm_state = nnx.split(llm)
+    self.invariant = llm.invariant  # its programs are compiled for the invariant mode
     self.drafter_def, self.drafter_state = nnx.split(draft_model(drafter, config))
     self.draft_embed = draft_embedding(llm)
     self.feature_layers = drafter_layers(drafter)
@@ -249,7 +250,7 @@ class ReDrafter:
 
   def start(self, p: Prepared) -> DecodeState:
     """The ``init`` program: prefill the prompts and choose each row's first token."""
-    return _init_jit(self.llm_def, self.llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng,
+    return _init_jit.of(self.invariant)(self.llm_def, self.llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng,
                      p.stop_ids, cache_size=p.cache_size, feature_layers=self.feature_layers,
                      **self._static(p))
 
@@ -267,7 +268,7 @@ class ReDrafter:
     per context bucket."""
     while True:
       width = self.width(p, state)
-      state = _loop_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
+      state = _loop_jit.of(self.invariant)(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
                         self.draft_embed, state, p.params, p.stop_ids, width=width,
                         steps_per_check=self.config.steps_per_check, **self._static(p))
       if width is None or bool(jnp.all(state.done_B)):
@@ -275,7 +276,7 @@ class ReDrafter:
 
   def step(self, p: Prepared, state: DecodeState) -> DecodeState:
     """The ``step`` program: one draft -> verify -> accept -> commit (``state`` is donated)."""
-    return _step_jit(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
+    return _step_jit.of(self.invariant)(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
                      self.draft_embed, state, p.params, p.stop_ids, width=self.width(p, state),
                      **self._static(p))
 

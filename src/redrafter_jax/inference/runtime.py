@@ -8,6 +8,7 @@ until the batch is done: shapes are static).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -17,7 +18,26 @@ from flax import struct
 
 from redrafter_jax.errors import UserError
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.invariant import compiler_options
 from redrafter_jax.models.llama import Llama
+
+
+class ModeJit:
+  """A function jitted for each mode of the model it runs: XLA's defaults, or the invariant
+  mode's compiler options (``models.invariant``). ``of(invariant)`` is the jitted function."""
+
+  def __init__(self, fn: Callable, **jit_kwargs):
+    self._jits = {mode: jax.jit(fn, compiler_options=compiler_options(mode), **jit_kwargs)
+                  for mode in (False, True)}
+    functools.update_wrapper(self, fn)
+
+  def of(self, invariant: bool) -> Callable:
+    return self._jits[bool(invariant)]
+
+
+def mode_jit(**jit_kwargs) -> Callable[[Callable], ModeJit]:
+  """Decorator: ``jax.jit(**jit_kwargs)`` per mode (``ModeJit``)."""
+  return lambda fn: ModeJit(fn, **jit_kwargs)
 
 
 class GenerateError(UserError, ValueError):

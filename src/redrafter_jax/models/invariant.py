@@ -25,6 +25,15 @@ What this module does instead (``bench invariant`` and ``tests/test_invariant.py
   rows); softmax's max is exact in any order; its sum and the product with the values are
   computed per chunk of ``CHUNK`` slots and folded chunk by chunk in slot order, so slots past
   a token's position (exact zeros) change nothing, whatever the width the forward reads.
+- reductions: a sum's order on XLA:CPU depends on the whole array's shape (a row's sum of 64
+  or 576 values changes with the number of rows), so the softmax's chunk sums and the RMS
+  norm's mean use ``fixed_sum``, a fixed tree of elementwise adds.
+- compilation: XLA may keep an elementwise chain's intermediates in float32 where the program
+  says bfloat16 ("excess precision"), and whether it does depends on how it fuses the program,
+  which depends on the shapes: a prefill and an AR step of the same token then part in the last
+  bits a few layers in. The invariant mode's programs are compiled with ``COMPILER_OPTIONS``,
+  which makes every bfloat16 operation round as written (``inference.runtime.mode_jit`` and the
+  server's programs pass them).
 - a tree token sees its keys in VIRTUAL slots (``VirtualKeys``): positions before the row's
   committed length are the cache's slots, positions from it on are the token's ancestors at
   their depth, which is exactly what an AR step at that position reads. Its scores are a
@@ -43,6 +52,14 @@ MIN_ROWS = 4  # a CPU matmul of >= 3 rows is row-invariant; pad fewer rows up to
 TILE = 16  # rows per matmul off the CPU (lax.map over tiles)
 CHUNK = 64  # slots per partial sum in attention
 _NEG_INF = -1e30
+# XLA options of the invariant mode's programs: every bfloat16 operation rounds as written,
+# whatever the fusion (module docstring).
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def compiler_options(invariant: bool) -> dict | None:
+  """The XLA options for a program of a model in that mode (None: XLA's defaults)."""
+  return dict(COMPILER_OPTIONS) if invariant else None
 
 
 def _on_cpu() -> bool:
@@ -117,6 +134,20 @@ def tree_keys(lengths_B: jax.Array, depth_BN: jax.Array, mask_BNN: jax.Array, wi
   return VirtualKeys(src_BTS=src_BNS, lengths_B=lengths_B, span=N), mask_BNS
 
 
+def fixed_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+  """Sum over ``axis`` in one fixed order whatever the other axes' sizes: pad it with zeros to a
+  power of two, then add its halves elementwise until one is left (a reduction's order depends
+  on the whole shape on XLA:CPU: a row's mean over 576 values changes with the row count)."""
+  x = jnp.moveaxis(x, axis, -1)
+  n = x.shape[-1]
+  x = _pad_rows(x, x.ndim - 1, 1 << max(n - 1, 0).bit_length())
+  while x.shape[-1] > 1:
+    h = x.shape[-1] // 2
+    x = x[..., :h] + x[..., h:]
+  x = x[..., 0]
+  return jnp.expand_dims(x, axis) if keepdims else x
+
+
 def _pad_rows(x, axis: int, rows: int):
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, max(rows - x.shape[axis], 0))
@@ -167,7 +198,7 @@ def attend_invariant(q_BTHE, k_XES, v_XSE, mask_BTS, virtual: VirtualKeys | None
   scores_KBGTS = jnp.where(mask_BTS[None, :, None], scores_KBGTS, _NEG_INF)
   top_KBGT1 = jnp.max(scores_KBGTS, axis=-1, keepdims=True)
   e_KBGTS = jnp.where(mask_BTS[None, :, None], jnp.exp(scores_KBGTS - top_KBGT1), 0.0)
-  total_KBGT1 = _fold(jnp.sum(_chunks(e_KBGTS, 4), axis=-1), 4)[..., None]
+  total_KBGT1 = _fold(fixed_sum(_chunks(e_KBGTS, 4)), 4)[..., None]
   probs_KBGTS = (e_KBGTS / total_KBGT1).astype(v_XSE.dtype)
   if virtual is None:
     out_XQE = _fold(_products(probs_KBGTS.reshape(X, G * T, S), v_XSE), 1)

@@ -34,20 +34,25 @@ from flax import nnx
 from redrafter_jax.config import LlamaConfig
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.attention import attend, cache_dtype, cache_layout
-from redrafter_jax.models.invariant import VirtualKeys
+from redrafter_jax.models.invariant import VirtualKeys, fixed_sum
 from redrafter_jax.models.linear import Dense, Embed, on_cpu
 
 
 class RMSNorm(nnx.Module):
-  """Normalise in float32, cast back, then scale (the order Hugging Face's Llama uses)."""
+  """Normalise in float32, cast back, then scale (the order Hugging Face's Llama uses).
+  ``invariant``: the mean of squares in a fixed order (``invariant.fixed_sum``)."""
 
-  def __init__(self, dim: int, eps: float, *, param_dtype):
+  def __init__(self, dim: int, eps: float, *, param_dtype, invariant: bool = False):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
+    self.invariant = invariant
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    sq = x32 * x32
+    mean = (fixed_sum(sq, keepdims=True) / x.shape[-1] if self.invariant
+            else jnp.mean(sq, axis=-1, keepdims=True))
+    x32 = x32 * jax.lax.rsqrt(mean + self.eps)
     scale_xD = self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
     return scale_xD * x32.astype(x.dtype)
 
@@ -131,7 +136,8 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
                weight_layout: str | None = None, invariant: bool = False):
-    norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype,
+                           invariant=invariant)
     self.input_layernorm = norm()
     self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                                weight_layout=weight_layout, invariant=invariant)
@@ -193,7 +199,8 @@ class Llama(nnx.Module):
     self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                                          weight_layout=weight_layout, invariant=invariant)
                             for _ in range(cfg.num_layers)])
-    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype,
+                        invariant=invariant)
     if not cfg.tie_word_embeddings:
       self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
                            param_dtype=param_dtype, rngs=rngs, layout=weight_layout,

@@ -28,6 +28,7 @@ from redrafter_jax.config import ConfigError
 from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
+from redrafter_jax.models.invariant import compiler_options
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import batch as batch_lib
 from redrafter_jax.serving import policy as policy_lib
@@ -150,6 +151,8 @@ class Placement:
         stacked=row.stacked)
     self._batch_sharding = self._shardings(jax.eval_shape(self._empty), llm.config.num_kv_heads,
                                            row.head_axis)
+    # The invariant mode's programs keep every bfloat16 rounding (models.invariant)
+    self._options = compiler_options(llm.invariant)
     self._new_batch = jax.jit(self._empty, out_shardings=self._batch_sharding)
     self.batch = self._new_batch()
     self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
@@ -277,7 +280,8 @@ class Placement:
       def admit(llm_state, batch, *args):
         return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args)
 
-      self._admit_fn = jax.jit(admit, donate_argnums=(1,), out_shardings=self._out)
+      self._admit_fn = jax.jit(admit, donate_argnums=(1,), out_shardings=self._out,
+                               compiler_options=self._options)
     k = policy_lib.bucket_for(n, self.admission_rows(T))
     if (k, T) not in self._seen:
       self._seen.add((k, T))
@@ -362,4 +366,5 @@ class Placement:
         return sub, out
       return rows_lib.put(batch, idx_b, sub, (start_b, written)), out
 
-    return jax.jit(step, donate_argnums=(3,), out_shardings=self._out)
+    return jax.jit(step, donate_argnums=(3,), out_shardings=self._out,
+                   compiler_options=self._options)

@@ -223,7 +223,8 @@ def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
   mesh = serving_mesh(devices)
   param_dtype = serving_param_dtype(preset, drafter_path=drafter_path,
                                     random_drafter=random_drafter)
-  llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=param_dtype)
+  llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=param_dtype,
+                                 invariant=preset.invariant)
   tok = load_base_tokenizer(preset.model)
   engine_config = EngineConfig(
       slots=slots, max_context=max_context or min(2048, llm_cfg.max_position_embeddings),
