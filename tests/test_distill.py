@@ -206,3 +206,166 @@ def test_greedy_jobs_come_before_sampled_ones_in_each_shard():
   for k in range(0, len(jobs), 6):
     kinds = [j.sampled for j in jobs[k:k + 6]]
     assert kinds == sorted(kinds)
+
+
+def _plan_jobs_before_several_answers(lengths, sampled_fraction, seed, shard_size):
+  """``plan_jobs`` as it was when ``sampled_fraction`` was at most 1 (data/teacher/mix-v1 was
+  written with it): the reference that plans of ``f <= 1`` must keep matching."""
+  rng = np.random.default_rng(seed)
+  draw = rng.random(len(lengths))
+  jobs = [(i, False) for i in range(len(lengths))]
+  jobs += [(i, True) for i in range(len(lengths)) if draw[i] < sampled_fraction]
+  jobs = [jobs[i] for i in rng.permutation(len(jobs))]
+  by_length = lambda j: (j[1], lengths[j[0]], j[0])
+  return [job for k in range(0, len(jobs), shard_size)
+          for job in sorted(jobs[k:k + shard_size], key=by_length)]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 0.5, 0.999, 1.0])
+def test_plans_of_at_most_one_sampled_answer_are_unchanged(fraction):
+  """Folders written before several answers per prompt existed must resume as the same job."""
+  for seed, n, shard_size in [(0, 1, 4), (0, 200, 64), (1, 333, 256), (7, 50, 7), (3, 1000, 100)]:
+    lengths = list(np.random.default_rng(seed + 100).integers(1, 50, n))
+    jobs = distill.plan_jobs(lengths, fraction, seed=seed, shard_size=shard_size)
+    assert [(j.prompt, j.sampled) for j in jobs] == _plan_jobs_before_several_answers(
+        lengths, fraction, seed, shard_size)
+    assert all(j.sample == 0 for j in jobs)
+  assert distill.JOB_ORDER == "shuffled; within shards greedy jobs first, each kind length-sorted"
+
+
+def test_several_sampled_answers_per_prompt():
+  lengths = list(range(1, 2001))
+  jobs = distill.plan_jobs(lengths, 2.5, seed=0, shard_size=256)
+  assert len({(j.prompt, j.sampled, j.sample) for j in jobs}) == len(jobs)  # no job twice
+  sampled = np.bincount([j.prompt for j in jobs if j.sampled], minlength=len(lengths))
+  assert set(sampled) == {2, 3} and abs(sampled.mean() - 2.5) < 0.05
+  assert sum(not j.sampled for j in jobs) == len(lengths)
+  for k in range(0, len(jobs), 256):  # still greedy first, each kind length-sorted
+    shard = jobs[k:k + 256]
+    assert [j.sampled for j in shard] == sorted(j.sampled for j in shard)
+  whole = distill.plan_jobs(lengths[:10], 3.0, seed=0, shard_size=8)
+  assert sorted((j.prompt, j.sample) for j in whole if j.sampled) == [
+      (i, s) for i in range(10) for s in range(3)]
+  for bad in (-0.1, distill.MAX_SAMPLED + 0.5, float("nan")):
+    with pytest.raises(distill.ConfigError, match="sampled answers per prompt"):
+      distill.plan_jobs(lengths, bad, seed=0, shard_size=256)
+
+
+def test_sampled_answers_of_one_prompt_differ(teacher, prompts_file, tmp_path):
+  """Duplicates of a prompt sit in other rows of a batch (each row draws its own noise) or in
+  other batches (each with its own seed): every sampled answer is a draw of its own."""
+  llm, tok = teacher
+  kw = dict(KW, sampled_fraction=3, shard_size=8, batch_size=4)
+  stats = distill.distill(llm, tok, prompts_file, tmp_path / "d", **kw)
+  records = data.read_records(tmp_path / "d")
+  assert stats.records == len(records) == 4 * len(PROMPTS)
+  by_prompt = {}
+  for r in records:
+    if r["sampled"]:
+      by_prompt.setdefault(r["id"], []).append(tuple(r["tokens"]))
+  assert sorted(by_prompt) == sorted(f"p{i}" for i in range(len(PROMPTS)))
+  for answers in by_prompt.values():
+    assert len(answers) == 3 and len(set(answers)) == 3, answers
+  manifest = json.loads((tmp_path / "d" / data.MANIFEST).read_text())
+  assert manifest["settings"]["sampled_fraction"] == 3
+  with pytest.raises(distill.ConfigError, match="same sampling seed"):
+    distill.distill(llm, tok, prompts_file, tmp_path / "e", **dict(kw, batch_size=1,
+                                                                     shard_size=1010))
+
+
+class FakeClock:
+  """A clock that moves only when ``generate`` is called: ``per_batch`` seconds a batch, and
+  ``first_extra`` more for the first (its compiles)."""
+
+  def __init__(self, monkeypatch, per_batch, first_extra=0.0, real=distill.generate):
+    self.now, self.calls = 1000.0, 0
+
+    def generate(*args, **kwargs):
+      self.calls += 1
+      self.now += per_batch + (first_extra if self.calls == 1 else 0.0)
+      return real(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "clock", lambda: self.now)
+    monkeypatch.setattr(distill, "generate", generate)
+
+
+def test_time_budget_stops_before_a_shard_that_would_not_finish(teacher, prompts_file, tmp_path,
+                                                                monkeypatch):
+  llm, tok = teacher
+  kw = dict(KW, sampled_fraction=1, shard_size=4, batch_size=2)  # 16 jobs: 4 shards of 2 batches
+
+  def budgeted(out, seconds):  # a call's shard 0 takes 50 s (its compiles), later ones 20 s
+    FakeClock(monkeypatch, per_batch=10.0, first_extra=30.0)
+    return distill.distill(llm, tok, prompts_file, out, max_seconds=seconds, **kw)
+
+  # After shard 0 (50 s) shard 1 is estimated at 50 s: 100 s > 99 s, so it is not started.
+  stats = budgeted(tmp_path / "d", 99)
+  assert (stats.shards_written, stats.shards_left, stats.stopped_at_budget) == (1, 3, True)
+  # At 100 s shard 1 runs (to 70 s); then the first shard's compiles are left out of the
+  # estimate (20 s a shard): shard 2 ends at 90 s, and shard 3 would end at 110 s.
+  stats = budgeted(tmp_path / "e", 100)
+  assert (stats.shards_written, stats.shards_left, stats.stopped_at_budget) == (3, 1, True)
+  assert stats.records == 12 and stats.seconds == 90.0
+  manifest = json.loads((tmp_path / "e" / data.MANIFEST).read_text())
+  assert sorted(manifest["shards"]) == [distill.shard_name(k) for k in range(3)]
+  assert [s["seconds"] for s in manifest["shards"].values()] == [50.0, 20.0, 20.0]
+  # A call's first shard always runs (here the one left): the folder is complete, and equal to
+  # what one call without a budget writes.
+  stats = budgeted(tmp_path / "e", 0)
+  assert (stats.shards_written, stats.shards_left, stats.stopped_at_budget) == (1, 0, False)
+  budgeted(tmp_path / "once", None)
+  key = lambda r: (r["id"], r["sampled"], tuple(r["tokens"]), tuple(r["mask"]))
+  assert list(map(key, data.read_records(tmp_path / "e"))) == list(
+      map(key, data.read_records(tmp_path / "once")))
+
+
+def test_several_prompt_files_are_read_in_order(teacher, prompts_file, tmp_path):
+  llm, tok = teacher
+  other = tmp_path / "more.jsonl"
+  other.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"More {i}?"}) + "\n"
+                           for i in range(3)))  # the same ids as the first file: fine
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  kw = dict(KW, sampled_fraction=0)
+  stats = distill.distill(llm, tok, [prompts_file, empty, other], tmp_path / "d", **kw)
+  records = data.read_records(tmp_path / "d")
+  assert stats.records == len(records) == len(PROMPTS) + 3
+  texts = sorted(tok.decode(r["tokens"].tolist()) for r in records)
+  assert sum("More " in t for t in texts) == 3
+  settings = json.loads((tmp_path / "d" / data.MANIFEST).read_text())["settings"]
+  assert settings["prompts"] == "prompts.jsonl+empty.jsonl+more.jsonl"
+  assert len(settings["prompts_sha256"]) == 16
+  # Another order is another job.
+  with pytest.raises(DataError, match="prompts: "):
+    distill.distill(llm, tok, [other, empty, prompts_file], tmp_path / "d", **kw)
+  # One file (alone or as a list of one) records exactly what folders always recorded.
+  distill.distill(llm, tok, [prompts_file], tmp_path / "one", max_shards=1, **kw)
+  settings = json.loads((tmp_path / "one" / data.MANIFEST).read_text())["settings"]
+  assert set(settings) == {"model", "vocab_size", "prompts", "prompts_sha256", "limit",
+                           "max_new_tokens", "sampled_fraction", "shard_size",
+                           "max_prompt_tokens", "seed", "num_shards", "order"}
+  import hashlib
+  assert settings["prompts"] == "prompts.jsonl" and settings["prompts_sha256"] == hashlib.sha256(
+      prompts_file.read_bytes()).hexdigest()[:16]
+  distill.distill(llm, tok, prompts_file, tmp_path / "one", **kw)  # resumes as the same job
+  with pytest.raises(DataError, match="no prompts"):
+    distill.distill(llm, tok, [empty, empty], tmp_path / "x", **kw)
+
+
+def test_cli_takes_several_prompt_files_and_a_time_budget(prompts_file, tmp_path, capsys):
+  other = tmp_path / "more.jsonl"
+  other.write_text(json.dumps({"id": "m0", "prompt": "One more?"}) + "\n")
+  out = tmp_path / "cli"
+  argv = ["distill-data", "--prompts", str(prompts_file), str(other), "--out", str(out),
+          "--model", "random:tiny", "--max-new-tokens", "4", "--batch-size", "3",
+          "--shard-size", "3", "--sampled-fraction", "0", "--max-seconds", "0"]
+  assert cli.main(argv) == 0
+  line = capsys.readouterr().out
+  assert "wrote 1 shard(s) (3 sequences" in line, line
+  assert "stopped at the time budget, 2 shard(s) left (rerun to continue)" in line, line
+  assert cli.main(argv[:-2]) == 0
+  line = capsys.readouterr().out
+  assert "wrote 2 shard(s) (6 sequences" in line and "skipped 1" in line, line
+  assert "left" not in line and len(data.read_records(out)) == len(PROMPTS) + 1
+  assert cli.main(argv[:-2] + ["--sampled-fraction", "17"]) == 2
+  assert "(sampled answers per prompt) must be in [0, 16], got 17" in capsys.readouterr().err

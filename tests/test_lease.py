@@ -312,6 +312,48 @@ def test_results_over_the_file_limit_come_back_in_parts(tmp_path):
   assert len(list(out.iterdir())) <= 5
 
 
+def test_payload_wheels_are_importable_by_the_steps(tmp_path):
+  """A profile's wheels, unpacked from the payload without pip, import in a step's process (the
+  image lacks grain); steps see them through PYTHONPATH."""
+  import subprocess
+  import sys
+  import zipfile
+
+  wheels = tmp_path / "payload" / plan_lib.WHEELS
+  wheels.mkdir(parents=True)
+  with zipfile.ZipFile(wheels / "carried-1.0-py3-none-any.whl", "w") as z:
+    z.writestr("carried_pkg/__init__.py", "VALUE = 42\n")
+    z.writestr("carried-1.0.dist-info/METADATA", "Name: carried\nVersion: 1.0\n")
+  stash = tmp_path / "stash"
+  assert runner.install_wheels(wheels, stash / runner.PYLIB) == ["carried-1.0-py3-none-any.whl"]
+  probe = [sys.executable, "-c", "import carried_pkg; print(carried_pkg.VALUE)"]
+  done = subprocess.run(probe, env=runner.step_env(stash, ()), capture_output=True, text=True)
+  assert done.stdout.strip() == "42", done.stderr
+  # without the unpacked wheels the same step cannot import it
+  done = subprocess.run(probe, env=runner.step_env(tmp_path / "other", ()), capture_output=True,
+                        text=True)
+  assert done.returncode != 0
+
+
+def test_train_profile_steps_and_needs():
+  """The train profile carries grain for the GPU image, times its long steps itself ({budget}),
+  and measures in part 2; its recipe's format is the one the exporter can hold."""
+  from redrafter_jax.lease import profiles
+
+  gpu = profiles.profile_of("train", "gpu")
+  assert any(n.startswith("grain") for n in gpu.needs)
+  assert not profiles.profile_of("train", "tiny").needs  # the CPU has grain
+  names = [s.name for s in gpu.steps]
+  assert names == ["environment", "self_prompts", "teacher", "train", "bring_back", "measure"]
+  by = {s.name: s for s in gpu.steps}
+  for name in ("self_prompts", "teacher", "train"):
+    assert any("{budget}" in a for a in by[name].argv) and by[name].part == 1
+  assert by["measure"].part == 2 and "{results}/drafter" in by["measure"].argv
+  assert "--batch-size" in by["teacher"].argv
+  assert int(by["teacher"].argv[by["teacher"].argv.index("--batch-size") + 1]) >= 256
+  assert "redrafter-jax" in " ".join(by["bring_back"].argv)  # the recipe reads three layers
+
+
 def test_unknown_profile_is_one_clear_error(capsys):
   from redrafter_jax.cli import main
 
@@ -338,3 +380,27 @@ def test_dry_run_of_the_measure_profile_passes(tmp_path, capsys):
   assert {"lease.md", "lease.log.gz", "step_costs_scanned.md", "step_costs_unrolled.md", "loops.md", "layers.md",
           "measurements.json", "results.md"} <= names
   assert not (REPO / ".lease" / "dry-run").exists()
+
+
+def test_dry_run_of_the_train_profile_passes(tmp_path, capsys):
+  """The train profile end to end on the tiny model: prompts, teacher data, a time-boxed
+  training, the drafter back in float16, and the measurement with it in part 2."""
+  from redrafter_jax.cli import main
+
+  rc = main(["lease", "dry-run", "--profile", "train", "--keep", str(tmp_path / "m")])
+  out = capsys.readouterr().out
+  assert rc == 0, out[-8000:]
+  assert "dry-run call 4/4: rc 0" in out
+  for step, part in (("self_prompts", 1), ("teacher", 1), ("train", 1), ("bring_back", 1),
+                     ("measure", 2)):
+    assert f"| {step} | {part} | ok |" in out
+  collected = tmp_path / "m" / "collected" / "results"
+  names = {str(p.relative_to(collected)).split("/", 2)[-1]
+           for p in collected.rglob("*") if p.is_file()}
+  assert {"teacher_manifest.json", "train/metrics.csv", "train/schedule.json",
+          "drafter/config.json", "lease.md"} <= names, names
+  assert any(n.startswith("suite/") and n.endswith("measurements.json") for n in names)
+  drafter = next(collected.rglob("drafter"))
+  from redrafter_jax.weights.drafter_io import load_drafter
+
+  assert load_drafter(drafter).config.feature_layers == (0, 1)

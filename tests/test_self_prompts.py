@@ -103,3 +103,38 @@ def test_seeds_open_the_user_turn_and_give_the_category(tmp_path, monkeypatch):
     i = int(r["id"].split("-")[-1])
     assert r["seed"] == seeds[i % 2].prompt and r["category"] == seeds[i % 2].category
     assert r["prompt"].startswith(r["seed"])
+
+
+def test_time_budget_stops_before_a_batch_that_would_not_finish(tmp_path, monkeypatch):
+  """A call's batch 0 takes 40 s (its compile), later ones 10 s, on a clock that moves only
+  with the draws; the file stops on a complete batch and a rerun continues it exactly."""
+  def budgeted(path, seconds, **kw):
+    calls = []
+    monkeypatch.setattr(self_prompts, "clock",
+                        lambda: 1000.0 + 10 * len(calls) + (30 if calls else 0))
+    monkeypatch.setattr(GEN, "generate", fake_generate(calls))
+    return self_prompts.write_self_prompts(None, TOK, path, num=100, source="test",
+                                           batch_size=8, progress=False, max_seconds=seconds,
+                                           **kw)
+
+  path = tmp_path / "p.jsonl"
+  stats = budgeted(path, 79)  # batch 1 is estimated at 40 s: 80 s > 79 s
+  assert (stats.batches, stats.stopped_at_budget, stats.seconds) == (1, True, 40.0)
+  # Batch 1 ends at 50 s; then the compile is left out (10 s a batch): batches 2-4 end at 80 s.
+  stats = budgeted(path, 80)
+  assert (stats.batches, stats.stopped_at_budget, stats.seconds) == (5, True, 80.0)
+  whole = tmp_path / "whole.jsonl"
+  budgeted(whole, None, max_batches=6)
+  assert path.read_text() == whole.read_text()
+  stats = budgeted(path, 0, max_batches=3)  # the first batch of a call always runs
+  assert (stats.batches, stats.stopped_at_budget) == (1, True)
+
+
+def test_cli_time_budget(tmp_path, capsys):
+  out = tmp_path / "c.jsonl"
+  argv = ["self-prompts", "--model", "random:tiny", "--out", str(out), "--num", "1000",
+          "--batch-size", "4", "--max-new-tokens", "4", "--max-seconds", "0"]
+  assert cli.main(argv) == 0
+  line = capsys.readouterr().out
+  assert "from 1 batch(es)" in line and "stopped at the time budget (rerun to continue)" in line
+  assert out.exists()

@@ -319,3 +319,130 @@ def test_data_with_another_vocabulary_is_refused(tmp_path):
 def test_shipped_configs_load(path):
   p = load_preset(path)
   assert p.train.num_steps >= 1 and p.model
+
+
+class FakeClock:
+  """A clock for ``trainer._clock`` whose every reading is ``tick`` seconds after the last."""
+
+  def __init__(self, tick: float):
+    self.now, self.tick = 0.0, tick
+
+  def __call__(self) -> float:
+    self.now += self.tick
+    return self.now
+
+
+# With FakeClock(TICK) the probe's PROBE_STEPS steps take TICK: this pace per step (exact in
+# binary, so the fitted counts below are exact).
+PACE = 0.25
+TICK = trainer.PROBE_STEPS * PACE
+DECIDED_AT = 1 + trainer.PROBE_STEPS  # the probe ends PROBE_STEPS steps after the first
+
+
+def budget_for(more_steps: int, evaluated: bool) -> tuple[float, float, float]:
+  """``(max_seconds, elapsed, reserve)`` under FakeClock(TICK) for a run that fits
+  ``more_steps`` steps after the decision. The budget's clock is read at the start, after the
+  first step, after the probe, around the held-out evaluation at the deciding step (when eval is
+  on) and at the decision."""
+  elapsed = (5 if evaluated else 3) * TICK
+  reserve = (TICK if evaluated else 0.0) + trainer.RESERVE_STEPS * PACE + trainer.RESERVE_SECONDS
+  return elapsed + reserve + (more_steps + 0.5) * PACE, elapsed, reserve
+
+
+def test_time_boxed_run_with_time_for_every_step_matches_the_default(synthetic, tmp_path):
+  from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.params import flat_params
+
+  n = DECIDED_AT + 3
+  kw = dict(num_steps=n, learning_rate=0.01)
+  default = trainer.train(preset(synthetic, tmp_path / "default", **kw), progress=False,
+                          export=False)
+  out = tmp_path / "boxed"
+  boxed = trainer.train(preset(synthetic, out, max_seconds=1e6, **kw), progress=False)
+  assert boxed.num_steps == boxed.last_step == n and default.num_steps == n
+  schedule = json.loads((out / "schedule.json").read_text())
+  assert schedule["num_steps"] == n and schedule["decided_at_step"] == DECIDED_AT
+  assert schedule["max_seconds"] == 1e6 and schedule["seconds_per_step"] > 0
+  # The same run: the learning rate arrives as an input of the step instead of from the
+  # optimizer's own schedule.
+  assert [r["lr"] for r in boxed.history] == pytest.approx([r["lr"] for r in default.history],
+                                                           rel=1e-6)
+  for step, loss in losses_of(default).items():
+    assert losses_of(boxed)[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+  exported = flat_params(load_drafter(boxed.drafter_dir))
+  for name, value in trainer.flat_dict(default.params).items():
+    np.testing.assert_allclose(np.asarray(exported[name]), value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def test_time_boxed_run_fits_its_schedule_to_the_budget(synthetic, tmp_path, monkeypatch, capsys):
+  ceiling, more = 30, 3
+  max_seconds, elapsed, reserve = budget_for(more, evaluated=True)
+  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  out = tmp_path / "run"
+  p = preset(synthetic, out, num_steps=ceiling, max_seconds=max_seconds, eval_shards=1,
+             eval_batches=1)
+  result = trainer.train(p, progress=False)
+  fitted = DECIDED_AT + more
+  assert result.num_steps == result.last_step == fitted
+  assert [r["step"] for r in result.history] == list(range(1, fitted + 1))
+  assert json.loads((out / "schedule.json").read_text()) == {
+      "max_seconds": max_seconds, "seconds_per_step": PACE, "num_steps": fitted,
+      "decided_at_step": DECIDED_AT, "elapsed_seconds": elapsed, "reserve_seconds": reserve}
+  # The probe ran on the provisional schedule over num_steps, the rest on the one over the
+  # fitted count, which ends where a run of that many steps would: the last step at the
+  # schedule's value before its end, the optimizer's count at the end value (0).
+  lrs = [r["lr"] for r in result.history]
+  provisional, schedule = trainer.make_schedule(p.train), trainer.make_schedule(p.train, fitted)
+  assert lrs[:DECIDED_AT] == pytest.approx([float(provisional(s)) for s in range(DECIDED_AT)])
+  assert lrs[DECIDED_AT:] == pytest.approx(
+      [float(schedule(s)) for s in range(DECIDED_AT, fitted)])
+  assert lrs[-1] == pytest.approx(float(schedule(fitted - 1))) and float(schedule(fitted)) == 0
+  # The held-out set is scored at the decision (measuring the final evaluation's cost) and at
+  # the fitted end; the drafter is exported there.
+  assert [r["step"] for r in result.eval_history] == [DECIDED_AT, fitted]
+  assert result.drafter_dir == out / "drafter" and (out / "drafter").is_dir()
+  # A budget already spent at the decision ends the run at once, checkpoint and drafter
+  # included; the CLI reports the fitted count.
+  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  out = tmp_path / "spent"
+  assert cli.main(["train", "--config", str(TINY), "--no-progress", f"train.data={synthetic}",
+                   f"train.output_dir={out}", "train.seq_len=64", "train.log_every=2",
+                   f"train.num_steps={ceiling}", "train.max_seconds=1"]) == 0
+  assert f"trained steps 1..{DECIDED_AT} of {DECIDED_AT}:" in capsys.readouterr().out
+  assert json.loads((out / "schedule.json").read_text())["num_steps"] == DECIDED_AT
+  assert (out / "drafter").is_dir() and (out / "checkpoints" / str(DECIDED_AT)).is_dir()
+
+
+def test_resumed_time_boxed_run_keeps_its_schedule(synthetic, tmp_path, monkeypatch):
+  more = 4
+  kw = dict(num_steps=30, max_seconds=budget_for(more, evaluated=False)[0],
+            checkpoint_every=DECIDED_AT - 1)
+  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  full = trainer.train(preset(synthetic, tmp_path / "full", **kw), progress=False, export=False)
+  fitted = DECIDED_AT + more
+  assert full.num_steps == full.last_step == fitted
+  crashed = preset(synthetic, tmp_path / "crash", **kw)
+  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  first = trainer.train(crashed, stop_after=DECIDED_AT + 2, save_at_stop=False, progress=False,
+                        export=False)  # dies after the decision; the newest checkpoint is before
+  assert first.num_steps == fitted and first.last_step == DECIDED_AT + 2
+  schedule = (tmp_path / "crash" / "schedule.json").read_text()
+  # A clock far slower than the first call's: probing again would fit no more steps.
+  monkeypatch.setattr(trainer, "_clock", FakeClock(100 * TICK))
+  resumed = trainer.train(crashed, progress=False, export=False)
+  assert resumed.start_step == DECIDED_AT - 1
+  assert resumed.num_steps == resumed.last_step == fitted
+  assert (tmp_path / "crash" / "schedule.json").read_text() == schedule
+  full_losses = losses_of(full)
+  for step, loss in losses_of(resumed).items():
+    assert loss == pytest.approx(full_losses[step], rel=1e-6, abs=1e-6), step
+  for name, value in trainer.flat_dict(full.params).items():
+    np.testing.assert_allclose(trainer.flat_dict(resumed.params)[name], value, rtol=1e-6,
+                               atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("value", [0, -5, "soon", True])
+def test_max_seconds_must_be_positive(synthetic, tmp_path, value):
+  with pytest.raises(ConfigError, match="train.max_seconds must be a number of seconds > 0"):
+    preset(synthetic, tmp_path, max_seconds=value)

@@ -341,6 +341,12 @@ class TrainConfig:
   seq_len: int = 512
   batch_size: int = 8  # global batch, sequences
   num_steps: int = 1000
+  # A time budget in seconds (null: none), counted from the start of training (loading and
+  # compiling included): the run times its first steps and fits its step count, at most
+  # num_steps, and the warmup + cosine schedule to what the budget holds, so that a run on a
+  # lease of unknown speed still ends its schedule instead of being cut off at a high learning
+  # rate (training.trainer; the decision goes to schedule.json).
+  max_seconds: float | None = None
   num_draft_steps: int = 5  # n: drafter steps per position (beam_length - 1 at decode)
   learning_rate: float = 1e-3
   warmup_fraction: float = 0.1
@@ -416,6 +422,11 @@ class TrainConfig:
       raise ConfigError(f"train.head_init must be 'random' or 'llm', got {self.head_init!r}")
     if not 0.0 <= self.warmup_fraction <= 1.0:
       raise ConfigError(f"train.warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
+    if self.max_seconds is not None and (
+        not isinstance(self.max_seconds, (int, float)) or isinstance(self.max_seconds, bool)
+        or not self.max_seconds > 0):
+      raise ConfigError(f"train.max_seconds must be a number of seconds > 0 (or null: no time "
+                        f"budget), got {self.max_seconds!r}")
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
@@ -433,6 +444,9 @@ class Preset:
   # the fast setting on CPUs with bf16 instructions (``models/linear.py``); "auto": that one
   # where it is faster, float32 elsewhere (``linear.preferred_param_dtype``).
   param_dtype: str | None = None
+  # The invariant mode (``models.invariant``): identical greedy tokens at any batch, tree and
+  # cache, bfloat16 included, at a cost in time. The server and the CLI load the LLM with it.
+  invariant: bool = False
   drafter: Mapping[str, Any] | None = None  # DrafterConfig fields beyond vocab/hidden size
   drafter_path: str | None = None  # a trained drafter folder, or "shipped" (checkpoints/)
   decode: DecodeConfig = DecodeConfig()
@@ -444,6 +458,8 @@ class Preset:
     if self.param_dtype not in (None, "float32", "bfloat16", "auto"):
       raise ConfigError(f"param_dtype must be float32, bfloat16 or auto (or absent: dtype), got "
                         f"{self.param_dtype!r}")
+    if not isinstance(self.invariant, bool):
+      raise ConfigError(f"invariant must be true or false, got {self.invariant!r}")
     if isinstance(self.decode, Mapping):
       object.__setattr__(self, "decode", DecodeConfig.from_dict(self.decode))
     if isinstance(self.train, Mapping):

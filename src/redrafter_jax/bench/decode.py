@@ -66,7 +66,8 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
 
   @jax.jit
   def verify(llm_state, state, tree):
-    return step_lib.verify_forward(nnx.merge(llm_def, llm_state), state, tree)
+    return step_lib.verify_forward(nnx.merge(llm_def, llm_state), state, tree,
+                                   layers=rd.feature_layers)  # a multi-layer drafter's states
 
   @jax.jit
   def accept_commit(state, beams, tree, logits, hidden, cache):

@@ -26,7 +26,9 @@ def add_arguments(p):
                       ("collect", "unpack a lease's returned files into results/")):
     s = sub.add_parser(name, help=help_, description=help_)
     if name != "collect":
-      s.add_argument("--profile", default="measure", help="measure (default: %(default)s)")
+      s.add_argument("--profile", default="measure",
+                     help="measure: the GPU table's numbers; train: teacher data, a drafter "
+                     "trained on it and measured (default: %(default)s)")
       s.add_argument("--budget", type=int, default=None,
                      help="seconds: the lease's device time for plan and dry-run (default 900), "
                      "the run's own time for run (default 570)")
@@ -58,13 +60,16 @@ def run(args) -> int:
     import tempfile
 
     from redrafter_jax.lease.model_pack import pack
-    from redrafter_jax.lease.plan import make_plan
-    from redrafter_jax.lease.profiles import profile
+    from redrafter_jax.lease.plan import WHEELS, download_wheels, make_plan
+    from redrafter_jax.lease.profiles import IMAGE_PYTHON, profile_of
 
-    profile(args.profile, "gpu")  # an unknown profile fails before the packing
+    needs = profile_of(args.profile, "gpu").needs  # an unknown profile fails before the packing
     limits = Limits()
     with tempfile.TemporaryDirectory() as tmp:
       payload = pack(args.model, pathlib.Path(tmp) / "pack")
+      if needs:
+        wheels = download_wheels(needs, IMAGE_PYTHON, payload / WHEELS)
+        print(f"wheels for the image's Python {IMAGE_PYTHON}: {', '.join(wheels)}")
       plan = make_plan(repo, payload, args.profile, limits=limits, budget_s=args.budget)
     print(plan.describe(limits))
     return 0

@@ -23,6 +23,10 @@ def add_arguments(p):
   p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
   p.add_argument("--max-batches", type=int, default=None,
                  help="stop after drawing this many batches (rerun to continue)")
+  p.add_argument("--max-seconds", type=float, default=None,
+                 help="time budget from the command's start (model loading included): draw no "
+                      "batch that would not finish in time, as estimated from the batches this "
+                      "run drew (the first always runs); rerun to continue")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
   p.add_argument("--seeds", default=None,
                  help="JSON-lines file of request openings (prompt-mix --seeds-out): each user "
@@ -31,7 +35,9 @@ def add_arguments(p):
 
 def run(args) -> int:
   import pathlib
+  import time
 
+  started = time.perf_counter()  # --max-seconds counts from here (model loading included)
   from redrafter_jax.training import prompt_mix, self_prompts
   from redrafter_jax.training.data import DataError
   from redrafter_jax.weights import base_model
@@ -45,9 +51,11 @@ def run(args) -> int:
         llm, tok, args.out, num=args.num, source=f"self-prompts ({args.model})",
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, max_batches=args.max_batches,
-        seeds=seeds)
+        max_seconds=None if args.max_seconds is None else
+        args.max_seconds - (time.perf_counter() - started), seeds=seeds)
   except DataError as e:
     raise UserError(str(e)) from e
   print(f"{args.out}: {stats.prompts} requests ({stats.new} new from {stats.batches} batch(es), "
-        f"{stats.seconds:.0f} s)")
+        f"{stats.seconds:.0f} s)" + ("; stopped at the time budget (rerun to continue)"
+                                     if stats.stopped_at_budget else ""))
   return 0

@@ -51,7 +51,7 @@ def run(args) -> int:
     else:
       last = result.history[-1]
       print(f"trained steps {result.start_step + 1}..{result.last_step} of "
-            f"{preset.train.num_steps}: loss {last['loss']:.4f}, top-1 (step 1) "
+            f"{result.num_steps}: loss {last['loss']:.4f}, top-1 (step 1) "
             f"{last['top1_1']:.3f}; outputs in {preset.train.output_dir}"
             + (f"; drafter exported to {result.drafter_dir}" if result.drafter_dir else ""))
   return 0

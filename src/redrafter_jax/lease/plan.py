@@ -27,6 +27,7 @@ STAGE = pathlib.Path(".lease")
 STASH = '"${TMPDIR:-/tmp}/redrafter-lease"'  # a shell word: the stash on the device machine
 PAYLOAD = "payload.tar.gz"
 INDEX = "payload.json"
+WHEELS = "wheels"  # in the payload: the profile's ``needs``, for the image's Python
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,26 @@ def tar_payload(folder: pathlib.Path) -> bytes:
         with open(p, "rb") as f:
           tar.addfile(info, f)
   return buf.getvalue()
+
+
+def download_wheels(needs: tuple[str, ...], python: str, dest: pathlib.Path) -> list[str]:
+  """Download the wheels of ``needs`` (pinned requirements, no dependencies: the profile lists
+  every package the image lacks) built for CPython ``python`` on x86-64 Linux into ``dest``;
+  returns their file names. Needs the package index (this machine has it; the GPU has not)."""
+  import subprocess
+  import sys
+
+  dest.mkdir(parents=True, exist_ok=True)
+  tag = python.replace(".", "")
+  cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
+         "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
+         "--platform", "any", "--dest", str(dest), *needs]
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  if done.returncode != 0:
+    raise LeaseError(f"cannot download the wheels of {', '.join(needs)} for Python {python} "
+                     f"(pip: {done.stderr.strip().splitlines()[-1:] or done.returncode})")
+  return sorted(p.name for p in dest.glob("*.whl"))
 
 
 def run_command(profile: str, budget_s: int, size: str, part: int = 1) -> str:

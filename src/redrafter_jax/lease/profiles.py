@@ -17,8 +17,14 @@ Sizes: ``gpu`` is the real model on the lease's GPU; ``tiny`` is the same steps 
 the dry-run's tiny model (a random drafter, a few short prompts), which checks the machinery.
 
 Placeholders in a step's argv: ``{py}`` the Python running the lease, ``{model}`` the unpacked
-model folder, ``{results}`` this lease's results folder, ``{prompts}`` the repository's
-Spec-Bench prompts.
+model folder, ``{results}`` this lease's results folder (it comes back), ``{scratch}`` a folder in
+the stash for what stays on the machine (teacher data, checkpoints), ``{prompts}`` the
+repository's Spec-Bench prompts, ``{budget}`` the seconds the step has, less ``STEP_RESERVE_S``
+(for a step that times itself and ends on time, which a step stopped at its deadline does not).
+
+Packages: a profile's ``needs`` are Python distributions the GPU image lacks (it has JAX, Flax,
+Optax, Orbax, transformers; not grain). ``lease plan`` downloads their wheels for the image's
+Python into the payload and ``lease run`` unpacks them onto the steps' ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ PROMPTS = "data/spec_bench.jsonl.gz"
 GPU_TREES = "1x4+3/5,4x4"
 GPU_MAIN_TREE = "1x4+3/5"
 CACHE_SIZE = 1024  # one cache size for every prompt and method
+STEP_RESERVE_S = 20  # {budget}: a step's seconds less this (process start, the last write)
+# The GPU image's Python, and the wheels the train profile needs on it (grain and the packages it
+# imports that the image lacks): ``lease plan`` downloads them for this Python.
+IMAGE_PYTHON = "3.12"
+TRAIN_NEEDS = ("grain==0.2.18", "array-record==0.8.6", "portpicker", "cloudpickle")
+TRAIN_CONFIG = "configs/lease_train.yaml"
 PROMPT_MULTIPLE = 512  # prompts padded to 512 or 1024: at most two prefill programs per method
 
 
@@ -44,6 +56,12 @@ class Step:
   env: tuple[tuple[str, str], ...] = ()
   reports: bool = False  # rebuild results.md from the JSON it wrote, even when cut short
   part: int = 1  # the run call it belongs to (module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  steps: tuple[Step, ...]
+  needs: tuple[str, ...] = ()  # wheels the image lacks (module docstring)
 
 
 def _suite(size: str) -> tuple[str, ...]:
@@ -114,15 +132,110 @@ def measure(size: str) -> list[Step]:
   return [environment, loops, suite, gpu_tests, layers, step_costs(True), step_costs(False)]
 
 
-PROFILES = {"measure": measure}
+def _recipe():
+  """The GPU training recipe (``TRAIN_CONFIG``), as a preset."""
+  from redrafter_jax.config import load_preset
+
+  return load_preset(TRAIN_CONFIG)
 
 
-def profile(name: str, size: str) -> list[Step]:
+def train(size: str) -> list[Step]:
+  """The ``train`` profile (issue 36 item 2): teacher data, a drafter trained on it, brought back
+  and measured against AR, in one lease.
+
+  Part 1: the model writes prompts of its own (Magpie-style, from the repository's seed
+  openings), answers those and the repository's training prompts at a large batch (several
+  sampled answers per prompt) until its time is up, and the drafter trains on what was written
+  (``configs/lease_train.yaml``, the ablations' best recipe) for a time budget that fits the
+  schedule to the steps there is time for; then the drafter comes back in float16 with the
+  teacher manifest and the training curves. Part 2: greedy AR against ReDrafter with the new
+  drafter, batch 1, one Spec-Bench prompt per category."""
+  gpu = size == "gpu"
+  recipe = _recipe()
+  # the drafter's own format: reference (MLX, TensorRT-LLM) unless it reads several layers
+  layers = (recipe.drafter or {}).get("feature_layers")
+  export_format = "redrafter-jax" if layers else "reference"
+  tiny_vocab = 64
+  cli = ("{py}", "-m", "redrafter_jax.cli")
+  fast = ("--dtype", "bfloat16", "--param-dtype", "bfloat16") if gpu else ()
+  self_prompts = Step(
+      "self_prompts", cli + ("self-prompts", "--model", "{model}", "--out",
+                             "{scratch}/self-prompts.jsonl", "--seeds",
+                             "data/prompts/seeds-v1.jsonl.gz", "--max-seconds", "{budget}")
+      + fast + (("--num", "24000", "--batch-size", "1024") if gpu else
+                ("--num", "8", "--batch-size", "4", "--max-new-tokens", "8",
+                 "--max-batches", "2")), 40,
+      "the model writes user requests of its own from the seed openings (Magpie-style)")
+  teacher = Step(
+      "teacher", cli + ("distill-data", "--model", "{model}", "--prompts",
+                        "data/prompts/mix-v1.jsonl.gz", "{scratch}/self-prompts.jsonl",
+                        "--out", "{scratch}/teacher", "--max-seconds", "{budget}")
+      + fast + (("--batch-size", "512", "--shard-size", "2048", "--max-new-tokens", "384",
+                 "--sampled-fraction", "3") if gpu else
+                ("--limit", "48", "--batch-size", "8", "--shard-size", "16",
+                 "--max-new-tokens", "16", "--sampled-fraction", "1.5")), 270,
+      "teacher data: the model answers the training prompts and its own, greedy and sampled at "
+      "T=1, at a large batch until the step's time is up")
+  tiny_train = ("model={model}", "drafter.exit_dim=32", "drafter.feature_layers=[0, 1]",
+                "train.seq_len=64", "train.batch_size=4", "train.num_steps=8",
+                "train.eval_batches=1", "train.log_every=2", f"train.vocab_limit={tiny_vocab}",
+                "train.loss_chunk=16")
+  training = Step(
+      "train", cli + ("train", "--config", TRAIN_CONFIG, "--no-progress",
+                      "model={model}", "train.data={scratch}/teacher",
+                      "train.output_dir={scratch}/train", "train.max_seconds={budget}")
+      + (() if gpu else tiny_train), 250,
+      "the drafter trained on that data (configs/lease_train.yaml), its schedule fitted to the "
+      "step's time")
+  gather = ("mkdir -p {results}/train && cp {scratch}/teacher/manifest.json "
+            "{results}/teacher_manifest.json; for f in metrics.csv eval.csv schedule.json "
+            "curves.png; do [ -f {scratch}/train/$f ] && cp {scratch}/train/$f {results}/train/; "
+            "done; ")
+  bring_back = Step(
+      "bring_back", ("sh", "-c", gather + " ".join(
+          cli + ("export", "--drafter", "{scratch}/train/drafter", "--out",
+                 "{results}/drafter", "--overwrite", "--dtype", "fp16", "--format",
+                 export_format))), 6,
+      "the drafter in float16 (split into the returned parts), the teacher manifest and the "
+      "training curves into the results")
+  measure_step = Step(
+      "measure", ("{py}", "-m", "redrafter_jax.bench", "suite", "--model", "{model}",
+                  "--prompts", "{prompts}", "--drafter", "{results}/drafter",
+                  "--no-transformers", "--no-progress", "--out", "{results}/suite",
+                  "--typical-temperature", "0", "--temperatures", "", "--batch-sizes", "",
+                  "--split-repeat", "1", "--cache-size", str(CACHE_SIZE),
+                  "--prompt-multiple", str(PROMPT_MULTIPLE))
+      # the head trained on train.vocab_limit tokens: draft over those
+      + ("--draft-vocab", str(recipe.train.vocab_limit if gpu else tiny_vocab))
+      + (("--gpu", "--per-category", "1", "--max-new-tokens", "128", "--beams", GPU_TREES,
+          "--main-beams", GPU_MAIN_TREE) if gpu else
+         ("--quick", "--max-new-tokens", "8", "--beams", "1x3+2/4", "--main-beams", "1x3+2/4",
+          "--dtype", "bfloat16")), 1,
+      "greedy AR against ReDrafter with the new drafter at two trees, batch 1, one Spec-Bench "
+      "prompt per category (13), then the divergence report as far as time allows",
+      reports=True, part=2)
+  environment = Step("environment", ("sh", "-c", ("nvidia-smi; " if gpu else "") + (
+      '{py} -c "import jax, grain, sys; print(sys.version); print(\'jax\', jax.__version__, '
+      '\'grain\', grain.__version__); print(jax.devices())"')), 8,
+      "the GPU, driver and JAX, and grain from the carried wheels")
+  return Profile((environment, self_prompts, teacher, training, bring_back, measure_step),
+                 needs=TRAIN_NEEDS if gpu else ())
+
+
+PROFILES = {"measure": lambda size: Profile(tuple(measure(size))), "train": train}
+
+
+def profile_of(name: str, size: str) -> Profile:
+  """The profile ``name`` at ``size`` (gpu | tiny); an unknown one is one clear error."""
   from redrafter_jax.lease.limits import LeaseError
 
   if name not in PROFILES:
-    raise LeaseError(f"unknown lease profile {name!r}; built: {', '.join(PROFILES)} (the train "
-                     "profile comes with the drafter issue)")
+    raise LeaseError(f"unknown lease profile {name!r}; built: {', '.join(PROFILES)}")
   if size not in ("gpu", "tiny"):
     raise LeaseError(f"unknown size {size!r}: gpu or tiny")
-  return PROFILES[name](size)
+  got = PROFILES[name](size)
+  return got if isinstance(got, Profile) else Profile(tuple(got))
+
+
+def profile(name: str, size: str) -> list[Step]:
+  return list(profile_of(name, size).steps)

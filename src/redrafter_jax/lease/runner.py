@@ -41,8 +41,8 @@ import time
 
 from redrafter_jax.lease import model_pack
 from redrafter_jax.lease.limits import MiB, LeaseError, Limits
-from redrafter_jax.lease.plan import restore_payload
-from redrafter_jax.lease.profiles import PROMPTS, Step
+from redrafter_jax.lease.plan import WHEELS, restore_payload
+from redrafter_jax.lease.profiles import PROMPTS, STEP_RESERVE_S, Step
 
 COMPILED = re.compile(r"Finished XLA compilation of (.+?) in ([0-9.eE+-]+) sec")
 # JAX's compile log (JAX_LOG_COMPILES): kept in lease.log, not echoed to the call's output,
@@ -53,6 +53,8 @@ RESERVE_S = 15  # kept back at the end for the last bundle
 LISTED_COMPILE_S = 0.5  # lease.md lists each program compiled at least this long
 RESULTS_NAME = "results.tar.gz"
 STATE = "lease.json"  # in the stash's work folder: the results folder, budgets and step table
+PYLIB = "pylib"  # in the stash: the payload's wheels, unpacked (``profiles``: needs)
+SCRATCH = "scratch"  # in the stash's work folder: what a step leaves for the next ones only
 
 
 @dataclasses.dataclass
@@ -77,8 +79,26 @@ def machine_slug() -> str:
   return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def install_wheels(folder: pathlib.Path, target: pathlib.Path) -> list[str]:
+  """Unpack every wheel in ``folder`` into ``target`` (a ``PYTHONPATH`` entry); returns their
+  names. A wheel is a zip whose top level is importable as is, so this needs no pip (the image's
+  Python may have none); scripts and data files, which the profiles' packages do not use, are
+  not installed."""
+  import zipfile
+
+  names = []
+  for wheel in sorted(folder.glob("*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+      z.extractall(target)
+    names.append(wheel.name)
+  return names
+
+
 def step_env(stash: pathlib.Path, extra) -> dict[str, str]:
   env = dict(os.environ)
+  pylib = stash / PYLIB
+  if pylib.is_dir():
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pylib), env.get("PYTHONPATH")) if p)
   env.update(JAX_COMPILATION_CACHE_DIR=str(stash / "jax-cache"),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_LOG_COMPILES="1",
              PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -264,6 +284,9 @@ def run(profile_name: str, size: str, stash: pathlib.Path, out: pathlib.Path, bu
       try:
         payload = restore_payload(stash, stash / "payload")
         model_pack.unpack(payload, stash / "model")
+        wheels = install_wheels(payload / WHEELS, stash / PYLIB)
+        if wheels:
+          log.write(f"payload: installed {', '.join(wheels)} into {stash / PYLIB}\n")
         records[0].status = "ok"
       except (LeaseError, OSError, ValueError) as e:
         records[0].status = f"failed ({e})"
@@ -275,14 +298,16 @@ def run(profile_name: str, size: str, stash: pathlib.Path, out: pathlib.Path, bu
     else:
       log.write(f"\n===== part {part}\n")
     fill = dict(py=sys.executable, model=str(stash / "model"), results=str(folder),
-                prompts=str(repo / PROMPTS))
+                prompts=str(repo / PROMPTS), scratch=str(work / SCRATCH))
+    (work / SCRATCH).mkdir(parents=True, exist_ok=True)
     done_share = 0.0
     ready = time.monotonic() - t0
     for step, rec in zip(steps, records[first:]):
       done_share += step.share
       rec.deadline_s = ready + (usable - ready) * done_share / total_share
       timeout = min(rec.deadline_s, usable) - (time.monotonic() - t0)
-      argv = [a.format(**fill) for a in step.argv]
+      argv = [a.format(**fill, budget=max(1, int(timeout - STEP_RESERVE_S)))
+              for a in step.argv]
       log.write(f"\n===== {step.name}: {' '.join(argv)} (until {rec.deadline_s:.0f} s)\n")
       log.flush()
       print(f"lease: step {step.name}, {timeout:.0f} s", flush=True)

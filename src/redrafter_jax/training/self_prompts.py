@@ -11,7 +11,11 @@ distribution without touching any evaluation set.
 The output is a JSON-lines prompts file like ``train_prompts.jsonl``. It is written one batch at
 a time and resumed from its last complete batch; batch ``b`` always draws with the same seed, so
 a resumed file equals an uninterrupted one. A request counts only if the LLM closed the turn
-(a stop token) and it is not blank or a repeat.
+(a stop token) and it is not blank or a repeat. ``max_seconds`` time-boxes a call: it draws no
+batch that its drawn batches say would not end in time, so the file stops on a complete batch
+and a rerun continues it. The batch size sets only how many requests one ``generate`` call
+draws (and, with ``seeds`` below, which seed each row starts from), so a GPU's large batch
+writes the same kind of file.
 
 Unsteered, a small model asks mostly the same few kinds of things. With ``seeds`` (rows of
 ``prompt_mix.self_prompt_seeds``: a task opening and a topic, e.g. "Write a persuasive essay
@@ -34,6 +38,7 @@ from redrafter_jax.config import ConfigError
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.training.data import DataError
 
+clock = time.perf_counter  # the time budget's clock (tests replace it)
 CATEGORY = "self"
 MIN_CHARS = 10  # shorter requests are mostly fragments ("Hi", "?")
 
@@ -67,6 +72,7 @@ class SelfPromptStats:
   new: int  # written by this call
   batches: int  # drawn by this call
   seconds: float
+  stopped_at_budget: bool = False  # max_seconds left a batch undrawn
 
 
 def _read_existing(path: pathlib.Path) -> tuple[list[dict], int]:
@@ -96,13 +102,18 @@ def _read_existing(path: pathlib.Path) -> tuple[list[dict], int]:
 def write_self_prompts(llm: Llama, tokenizer, out_path: str | pathlib.Path, *, num: int,
                        source: str, batch_size: int = 64, max_new_tokens: int = 96,
                        temperature: float = 1.0, seed: int = 0, max_batches: int | None = None,
-                       seeds: Sequence = (), progress: bool = True) -> SelfPromptStats:
+                       max_seconds: float | None = None, seeds: Sequence = (),
+                       progress: bool = True) -> SelfPromptStats:
   """Sample user requests until ``out_path`` holds ``num`` of them (see the module docstring).
 
   ``max_batches`` bounds the draws of this call (a sampler that rarely closes its turn would
-  otherwise never stop); rerun to continue. ``seeds``: rows with ``prompt`` (the opening of the
+  otherwise never stop), ``max_seconds`` its time: no batch is drawn that would not finish
+  within that many seconds of the call's start, as estimated from the batches this call drew
+  (the slowest, the first left out once others are done: it pays for the compile; the first
+  batch always runs); rerun to continue. ``seeds``: rows with ``prompt`` (the opening of the
   user turn) and ``category``; none: unsteered.
   """
+  start = clock()
   from redrafter_jax.inference.ar import generate
   from redrafter_jax.weights.tokenizer import stop_token_ids
 
@@ -112,15 +123,21 @@ def write_self_prompts(llm: Llama, tokenizer, out_path: str | pathlib.Path, *, n
     raise ConfigError(f"temperature must be > 0 to draw different requests, got {temperature}")
   out = pathlib.Path(out_path)
   out.parent.mkdir(parents=True, exist_ok=True)
+  out.touch()  # exists from the start: a run stopped before its first batch leaves it empty
   rows, batch = _read_existing(out)
   seen = {r["prompt"] for r in rows}
   prefix = user_turn_prefix(tokenizer)
   stops = stop_token_ids(tokenizer)
-  start, new, drawn = time.perf_counter(), 0, 0
+  new, drawn, took, stopped = 0, 0, [], False  # took: seconds of each batch drawn
   bar = tqdm(total=num, initial=min(len(rows), num), desc="self-prompts", unit="prompt",
              disable=not progress)
   seed_ids = [list(tokenizer(s.prompt, add_special_tokens=False)["input_ids"]) for s in seeds]
   while len(rows) < num and (max_batches is None or drawn < max_batches):
+    if max_seconds is not None and took and (
+        clock() - start + max(took[1:] or took) > max_seconds):
+      stopped = True
+      break
+    batch_start = clock()
     picks = [(batch * batch_size + i) % len(seeds) for i in range(batch_size)] if seeds else []
     openings = [seeds[k] for k in picks]
     prompts = [prefix + seed_ids[k] for k in picks] if seeds else [prefix] * batch_size
@@ -144,7 +161,8 @@ def write_self_prompts(llm: Llama, tokenizer, out_path: str | pathlib.Path, *, n
     new += len(fresh)
     batch += 1
     drawn += 1
+    took.append(clock() - batch_start)
     bar.update(len(fresh))
   bar.close()
-  return SelfPromptStats(prompts=len(rows), new=new, batches=drawn,
-                         seconds=time.perf_counter() - start)
+  return SelfPromptStats(prompts=len(rows), new=new, batches=drawn, seconds=clock() - start,
+                         stopped_at_budget=stopped)

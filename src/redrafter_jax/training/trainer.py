@@ -13,8 +13,20 @@ redrafter-jax format for a multi-layer drafter, which the reference cannot hold)
 ``<output_dir>/drafter``, with its token ranking (response-token frequency in the data;
 ``train.vocab_limit`` trains on the top K of it).
 
+Time-boxed runs (``train.max_seconds``): a lease gives a fixed time on a GPU whose step time is
+not known beforehand, and a cosine schedule cut off mid-way leaves a drafter trained at a high
+learning rate. So the run times its own steps after the first (compiling) one over a short probe
+(``PROBE_STEPS``, run on the provisional schedule over ``num_steps``: still in its warmup ramp),
+then fixes its step count to what fits in what is left of the budget, counted from the start of
+the ``train`` call that decides (loading and compiling count), less a reserve for the end
+(``_TimeBox.decide``), at most ``num_steps``; the warmup + cosine schedule then runs over that
+count. The learning rate is an input of the jitted step in this mode (the optimizer runs at unit
+rate and the step scales its updates), so fixing the count recompiles nothing. ``schedule.json``
+records the decision and a resumed run reads it back instead of probing again (one resumed
+before any decision probes, on its own budget).
+
 Outputs in ``train.output_dir``: ``checkpoints/``, ``metrics.csv``, TensorBoard events in
-``tb/``, ``curves.png``, ``drafter/``.
+``tb/``, ``curves.png``, ``drafter/`` (and ``schedule.json`` for a time-boxed run).
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import json
 import logging
+import math
 import pathlib
 import time
 from typing import Any
@@ -32,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from redrafter_jax import sharding as sh
@@ -51,6 +66,16 @@ RESUMABLE_CHANGES = ("train.output_dir", "train.data", "train.features", "train.
                      "train.loss_chunk", "train.eval_every", "train.eval_batches", "decode",
                      "drafter_path")
 
+# Time-boxed runs (``train.max_seconds``). The probe: steps timed after the first (compiling)
+# one; a few, so that one slow step (allocator growth, the data pipeline's first reads) weighs
+# little, and few enough to cost little of a short budget. The reserve for the end of the run,
+# beyond the final evaluation's measured cost: a margin of steps for the pace to vary, and
+# seconds for writing the final checkpoint, the exported drafter and the curves.
+PROBE_STEPS = 5
+RESERVE_STEPS = 5
+RESERVE_SECONDS = 10.0
+_clock = time.perf_counter  # the budget's clock (tests replace it)
+
 
 @struct.dataclass
 class TrainState:
@@ -67,20 +92,29 @@ class TrainResult:
   history: list[dict[str, Any]]  # one row per step run in this call: loss, accuracies, ...
   last_step: int
   start_step: int
+  num_steps: int  # the run's step count: train.num_steps, or what a time-boxed run fitted
   params: Any  # host copy of the drafter parameters after the last step
   drafter_dir: pathlib.Path | None
   eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # held-out rows
 
 
-def make_schedule(cfg) -> optax.Schedule:
-  warmup = int(round(cfg.warmup_fraction * cfg.num_steps))
+def make_schedule(cfg, num_steps: int | None = None) -> optax.Schedule:
+  """Linear warmup over ``warmup_fraction`` of the run, then cosine decay to 0 at its end; the
+  run is ``num_steps`` steps (default ``cfg.num_steps``; a time-boxed run's fitted count)."""
+  num_steps = cfg.num_steps if num_steps is None else num_steps
+  warmup = int(round(cfg.warmup_fraction * num_steps))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
-      decay_steps=cfg.num_steps, end_value=0.0)
+      decay_steps=num_steps, end_value=0.0)
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-  adamw = optax.adamw(make_schedule(cfg), weight_decay=cfg.weight_decay)
+def make_optimizer(cfg, learning_rate: float | None = None) -> optax.GradientTransformation:
+  """AdamW (``weight_decay``) after global-norm clipping (``grad_clip``), at ``learning_rate``
+  (default: ``make_schedule(cfg)``, inside the optimizer's state). A time-boxed run passes 1.0
+  and scales the updates by each step's learning rate in the step (``_train_step``): the same
+  AdamW, with the rate an input."""
+  lr = make_schedule(cfg) if learning_rate is None else learning_rate
+  adamw = optax.adamw(lr, weight_decay=cfg.weight_decay)
   if cfg.grad_clip and cfg.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
   return adamw
@@ -145,12 +179,18 @@ def _batch_loss(spec: LossSpec, llm_state, batch, step=None):
   return loss_fn
 
 
-def _train_step(loss_spec, tx, schedule, llm_state, state: TrainState, batch):
+def _train_step(loss_spec, tx, schedule, llm_state, state: TrainState, batch, lr=None):
+  """One optimizer step. ``schedule`` is the one inside ``tx`` (for the ``lr`` metric); with
+  ``lr`` given (a time-boxed run: ``tx`` at unit rate) the updates are scaled by it."""
   loss_fn = _batch_loss(loss_spec, llm_state, batch, state.step)
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  if lr is None:
+    lr = schedule(state.step)
+  else:
+    updates = jax.tree.map(lambda u: jnp.asarray(lr, u.dtype) * u, updates)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step),
+  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=lr,
                  tokens=jnp.sum(batch["segment_ids"] > 0))
   return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -303,13 +343,96 @@ class _Meter:
     return rows
 
 
+def _schedule_values(cfg, num_steps: int, count: int) -> np.ndarray:
+  """``make_schedule(cfg, num_steps)`` at optimizer counts 0..count-1 (a step's rate is the
+  schedule at the number of steps before it, as inside optax), as host float32 values."""
+  return np.asarray(make_schedule(cfg, num_steps)(np.arange(count)), np.float32)
+
+
+class _TimeBox:
+  """A time-boxed run's step count and learning rates (``train.max_seconds``).
+
+  Up to step ``decide_at`` (``PROBE_STEPS`` after the call's first step) the steps follow the
+  provisional schedule over ``num_steps``; there ``decide`` fixes the run's step count, and the
+  later steps follow the schedule over that count. A resumed run reads the decision back from
+  ``schedule.json`` (a fresh run drops one left from an earlier run in its folder): it replays
+  the same rates and decides nothing. The rates are computed on the host once per decision, so
+  a step's rate costs no device round trip. ``write``: this process writes ``schedule.json``.
+  """
+
+  def __init__(self, cfg, out_dir: pathlib.Path, start: int, t0: float, write: bool):
+    self.cfg, self.t0, self.write = cfg, t0, write
+    self.path = out_dir / "schedule.json"
+    self.num_steps, self.decide_at, self.decided = cfg.num_steps, start + 1 + PROBE_STEPS, False
+    if start and self.path.is_file():
+      saved = json.loads(self.path.read_text())
+      self.num_steps, self.decide_at = int(saved["num_steps"]), int(saved["decided_at_step"])
+      self.decided = True
+    elif write:
+      self.path.unlink(missing_ok=True)
+    self.marks: list[float] = []  # the clock after the call's first step and after the probe
+    self.lrs = self._rates()
+
+  def _rates(self) -> np.ndarray:
+    """Each step's learning rate (index: step - 1)."""
+    cfg, n = self.cfg, self.num_steps
+    rates = _schedule_values(cfg, cfg.num_steps, min(self.decide_at, n))
+    if self.decided:
+      rates = np.concatenate([rates, _schedule_values(cfg, n, n)[len(rates):]])
+    return rates
+
+  def lr(self, step: int) -> np.float32:
+    return self.lrs[step - 1]
+
+  def deciding(self, step: int) -> bool:
+    return not self.decided and step == self.decide_at
+
+  def time_step(self, step: int, metrics) -> None:
+    """Reads the clock once the call's first step, and then the probe's last, have run."""
+    if not self.decided and step in (self.decide_at - PROBE_STEPS, self.decide_at):
+      jax.block_until_ready(metrics)
+      self.marks.append(_clock())
+
+  def decide(self, step: int, eval_seconds: float) -> int:
+    """Fix the run's step count: the ``step`` steps done, plus those that fit at the probe's
+    pace in what is left of ``max_seconds`` after the time used since ``train`` started and a
+    reserve for the end, at most ``num_steps``, and record it in ``schedule.json``. The reserve:
+    ``eval_seconds`` (the held-out evaluation just run, compile included, which bounds the
+    final one's cost), ``RESERVE_STEPS`` steps and ``RESERVE_SECONDS``. Every process takes
+    process 0's count."""
+    cfg = self.cfg
+    seconds_per_step = max((self.marks[1] - self.marks[0]) / PROBE_STEPS, 1e-9)
+    elapsed = _clock() - self.t0
+    reserve = eval_seconds + RESERVE_STEPS * seconds_per_step + RESERVE_SECONDS
+    room = (cfg.max_seconds - elapsed - reserve) / seconds_per_step
+    fitted = math.floor(min(cfg.num_steps, step + max(room, 0.0)))
+    self.num_steps = int(multihost_utils.broadcast_one_to_all(np.int32(fitted)))
+    self.decided = True
+    self.lrs = self._rates()
+    log.info("time budget %g s: %.3g s/step after compile -> %d steps (decided at step %d, "
+             "%.1f s in, %.1f s kept for the end)", cfg.max_seconds, seconds_per_step,
+             self.num_steps, step, elapsed, reserve)
+    if self.write:
+      self.path.write_text(json.dumps(
+          {"max_seconds": cfg.max_seconds, "seconds_per_step": seconds_per_step,
+           "num_steps": self.num_steps, "decided_at_step": step, "elapsed_seconds": elapsed,
+           "reserve_seconds": reserve}, indent=2) + "\n")
+    return self.num_steps
+
+
 def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool = True,
           progress: bool = True, export: bool = True) -> TrainResult:
   """Train (or resume) the drafter per ``preset``, from the newest checkpoint in its output dir.
 
+  With ``train.max_seconds`` the run is time-boxed (module docstring): its step count, fixed
+  ``PROBE_STEPS`` steps after this call's first step and recorded in ``schedule.json``, takes
+  the place of ``num_steps`` for the end of the run (final evaluation, checkpoint and export);
+  with held-out evaluation on, the held-out set is also scored at the deciding step, which
+  measures what the final evaluation costs. A resumed time-boxed run keeps the recorded count.
+
   Args:
     preset: the model to distil from, the drafter's shape and ``preset.train`` (data, mesh,
-      optimiser, schedule, checkpoint and eval cadence, output folder).
+      optimiser, schedule, time budget, checkpoint and eval cadence, output folder).
     stop_after: end this call after that many steps (a time-boxed slice; rerun to continue).
     save_at_stop: write a checkpoint where ``stop_after`` stops (False simulates a crash in
       tests).
@@ -318,9 +441,11 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
       multi-layer drafter) to ``output_dir/drafter``.
 
   Returns:
-    A ``TrainResult``: the per-step metrics of this call, the first and last step, the
-    drafter's parameters (host copy), the exported folder (or None) and held-out eval rows.
+    A ``TrainResult``: the per-step metrics of this call, the first and last step, the run's
+    step count, the drafter's parameters (host copy), the exported folder (or None) and
+    held-out eval rows.
   """
+  t0 = _clock()
   cfg = preset.train
   out_dir = pathlib.Path(cfg.output_dir)
   data_vocab = data_lib.data_vocab_size(cfg.data)  # fail on bad data before loading models
@@ -329,7 +454,11 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   llm_graphdef, llm_state, llm_shardings, llm_cfg, out_VD = _frozen_llm(preset, mesh, data_vocab)
   merge, drafter_of, params, vocab_ids_R = _trainable_drafter(preset, llm_cfg, out_VD)
   feature_layers = merge(params).config.feature_layers
-  tx, schedule = make_optimizer(cfg), make_schedule(cfg)
+  boxed = cfg.max_seconds is not None
+  # A time-boxed run's schedule is fixed only once it has timed itself: its optimizer runs at
+  # unit rate and the step takes the rate as an input.
+  tx = make_optimizer(cfg, learning_rate=1.0 if boxed else None)
+  schedule = None if boxed else make_schedule(cfg)
   repl = sh.replicated(mesh)
   state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
                   out_shardings=repl)(sh.place(params, jax.tree.map(lambda _: repl, params)))
@@ -347,12 +476,17 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     check_resumable(ckpt.read_config(start), config, ckpt.directory)
     abstract = abstract_like(state.as_dict(), state_shardings.as_dict())
     state = TrainState(**ckpt.restore(start, abstract, iterator))
-    log.info("resuming at step %d of %d", start, cfg.num_steps)
+  is_main = jax.process_index() == 0
+  timebox = _TimeBox(cfg, out_dir, start, t0, write=is_main) if boxed else None
+  num_steps = timebox.num_steps if boxed else cfg.num_steps  # the run's: fitted when time-boxed
+  if start:
+    log.info("resuming at step %d of %d", start, num_steps)
 
   loss_spec = LossSpec.make(llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers)
   step_fn = jax.jit(
       functools.partial(_train_step, loss_spec, tx, schedule),
-      in_shardings=(llm_shardings, state_shardings, sh.batch_sharding(mesh)),
+      in_shardings=(llm_shardings, state_shardings, sh.batch_sharding(mesh))
+      + ((repl,) if boxed else ()),
       out_shardings=(state_shardings, repl), donate_argnums=(1,))
 
   evaluate = None
@@ -366,13 +500,13 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
                                       sh.shard_batch(next(it), mesh, cfg.batch_size))
                               for _ in range(cfg.eval_batches)])
 
-  is_main = jax.process_index() == 0
   metrics_log = MetricsLog(out_dir, start_step=start, enabled=is_main)
   eval_log = MetricsLog(out_dir, start_step=start, enabled=is_main and evaluate is not None,
                         name="eval")
   eval_history = []
-  end = cfg.num_steps if stop_after is None else min(cfg.num_steps, start + stop_after)
-  bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
+  call_end = lambda n: n if stop_after is None else min(n, start + stop_after)
+  end = call_end(num_steps)
+  bar = tqdm(total=num_steps, initial=start, desc="train", unit="step",
              disable=not (progress and is_main))
   history, meter = [], _Meter()
 
@@ -385,11 +519,18 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
 
   if evaluate is not None and cfg.init_drafter and start == 0 < end:
     record_eval(0, state.params)  # the starting drafter: the baseline a continued run must beat
-  for step in range(start + 1, end + 1):
+  step = start
+  while step < end:
+    step += 1
     batch = sh.shard_batch(next(iterator), mesh, cfg.batch_size)
-    state, metrics = step_fn(llm_state, state, batch)
+    if timebox is None:
+      state, metrics = step_fn(llm_state, state, batch)
+    else:
+      state, metrics = step_fn(llm_state, state, batch, timebox.lr(step))
+      timebox.time_step(step, metrics)
+    deciding = timebox is not None and timebox.deciding(step)
     rows_out = meter.add(step, metrics)
-    if rows_out is None and (step % cfg.log_every == 0 or step == end):
+    if rows_out is None and (step % cfg.log_every == 0 or step == end or deciding):
       rows_out = meter.flush()
     for r in rows_out or ():
       metrics_log.write(r)
@@ -402,18 +543,26 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
       bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_1']:.3f}",
                       tok_s=f"{last['tokens_per_s'] or 0:.0f}")
     bar.update(1)
-    if evaluate is not None and (step == cfg.num_steps
+    eval_seconds = 0.0
+    if evaluate is not None and (step == num_steps or deciding
                                  or (cfg.eval_every and step % cfg.eval_every == 0)):
+      eval_start = _clock()
       record_eval(step, state.params)
-    if step % cfg.checkpoint_every == 0 and step < cfg.num_steps:
+      eval_seconds = _clock() - eval_start
+    if deciding:
+      num_steps = timebox.decide(step, eval_seconds)
+      end = call_end(num_steps)
+      bar.total = num_steps
+      bar.refresh()
+    if step % cfg.checkpoint_every == 0 and step < num_steps:
       ckpt.save(step, state.as_dict(), iterator, config)
   bar.close()
 
   host_params = jax.tree.map(sh.local_value, state.params)
   drafter_dir = None
-  if end > start and ckpt.latest_step() != end and (end == cfg.num_steps or save_at_stop):
+  if end > start and ckpt.latest_step() != end and (end == num_steps or save_at_stop):
     ckpt.save(end, state.as_dict(), iterator, config)
-  if end == cfg.num_steps and end > start:
+  if end == num_steps and end > start:
     if is_main:
       metrics_log.plot(eval_log.rows)
       if export:
@@ -425,8 +574,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   ckpt.close()
   metrics_log.close()
   eval_log.close()
-  return TrainResult(history=history, last_step=end, start_step=start, params=host_params,
-                     drafter_dir=drafter_dir, eval_history=eval_history)
+  return TrainResult(history=history, last_step=end, start_step=start, num_steps=num_steps,
+                     params=host_params, drafter_dir=drafter_dir, eval_history=eval_history)
 
 
 def _host_metrics(step: int, metrics) -> dict[str, Any]:
