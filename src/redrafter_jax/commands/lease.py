@@ -26,9 +26,10 @@ def add_arguments(p):
                       ("collect", "unpack a lease's returned files into results/")):
     s = sub.add_parser(name, help=help_, description=help_)
     if name != "collect":
-      s.add_argument("--profile", default="measure",
-                     help="measure: the GPU table's numbers; train: teacher data, a drafter "
-                     "trained on it and measured (default: %(default)s)")
+      # train: every lease after the first (measure has run once, on an H200: issue 36)
+      s.add_argument("--profile", default="train",
+                     help="train: teacher data, a drafter trained on it and measured; measure: "
+                     "the GPU table's numbers (default: %(default)s)")
       s.add_argument("--budget", type=int, default=None,
                      help="seconds: the lease's device time for plan and dry-run (default 900), "
                      "the run's own time for run (default 570)")
