@@ -15,7 +15,7 @@ Then, with the official client:
                                  messages=[{"role": "user", "content": "Hi!"}])
 
 Endpoints: /v1/completions, /v1/chat/completions (``stream: true`` for server-sent events),
-/v1/models, /health, /metrics (Prometheus). Load test: ``python -m redrafter_jax.serving.loadtest``.
+/v1/models, /health, /metrics (Prometheus). Load test: ``redrafter-jax loadtest``.
 """
 
 import sys

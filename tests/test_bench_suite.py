@@ -8,7 +8,8 @@ import re
 import pytest
 
 import tiny_models
-from redrafter_jax.bench import _common, _runner, decode as bench_decode, report, suite
+from redrafter_jax.bench import (_common, _measurements, _runner, decode as bench_decode, report,
+                                 suite)
 
 PNGS = {"speedup_vs_beam_width.png", "accepted_length_histogram.png", "step_split.png"}
 
@@ -207,7 +208,7 @@ def test_report_numbers_are_ratios_of_json_measurements():
   assert row(md, "y")[6:] == ["n/a", "n/a", "n/a", "n/a"]
   data["runs"]["a"]["redrafter_W4_L4"]["accepted_histogram"] = [1, 2]
   data["runs"]["b"]["redrafter_W4_L4"]["accepted_histogram"] = [3, 0, 1]
-  assert report.histogram(data["runs"], "redrafter_W4_L4") == [4, 2, 1]
+  assert _measurements.histogram(data["runs"], "redrafter_W4_L4") == [4, 2, 1]
   # Change one measurement: the table follows.
   data["runs"]["b"]["redrafter_W4_L4"]["seconds"] = 3.0
   assert row(report.render(data, []), "redrafter_W4_L4")[3:5] == ["10.0", "1.00x"]

@@ -155,6 +155,12 @@ def our_command(line: str) -> tuple[str, list[str]] | None:
   if not tokens:
     return None
   if tokens[0] == "redrafter-jax":
+    # the pass-through commands hand their arguments to a benchmark's own parser
+    if tokens[1:2] == ["loadtest"]:
+      return "redrafter_jax.bench.loadtest", tokens[2:]
+    if tokens[1:2] == ["bench"]:
+      return (f"redrafter_jax.bench.{tokens[2]}", tokens[3:]) if len(tokens) > 2 else (
+          "redrafter_jax.bench", [])
     return "cli", tokens[1:]
   if tokens[0] not in ("python", "python3") or len(tokens) < 2:
     return None
@@ -309,6 +315,8 @@ def test_documented_command_parses(line):
     ("python -m redrafter_jax.bench no_such_bench --x", "no benchmark"),
     ("python -m redrafter_jax.bench context --no-such-flag", "has no option --no-such-flag"),
     ("python -m redrafter_jax.bench report FOLDER --flag", "takes no options"),
+    ("redrafter-jax loadtest --compare --no-such-flag", "has no option --no-such-flag"),
+    ("redrafter-jax bench suite --no-such-flag", "has no option --no-such-flag"),
     ("python serve.py --config c.yaml --no-such-flag", "has no option --no-such-flag"),
 ])
 def test_command_check_catches_mistakes(line, message):

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from redrafter_jax import cli
-from redrafter_jax.serving import loadtest
+from redrafter_jax.bench import loadtest
 
 
 def test_serve_without_a_drafter_is_a_clear_error(capsys):

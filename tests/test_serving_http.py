@@ -20,7 +20,8 @@ import serving_doubles as testing
 from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.llama import Llama
-from redrafter_jax.serving import access, loadtest, protocol
+from redrafter_jax.bench import loadtest
+from redrafter_jax.serving import access, protocol
 from redrafter_jax.serving.app import create_app
 from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.server import ServerThread

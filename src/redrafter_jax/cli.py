@@ -38,6 +38,8 @@ COMMANDS = {
     "serve": "redrafter_jax.commands.serve",
     "tune-tree": "redrafter_jax.commands.tune_tree",
     "lease": "redrafter_jax.commands.lease",
+    "bench": "redrafter_jax.commands.bench",
+    "loadtest": "redrafter_jax.commands.loadtest",
 }
 
 
@@ -117,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(module, Unavailable):  # no parser to run: ``--help`` too gives the error
       sub.add_parser(name, help=module.HELP, add_help=False, prefix_chars="\0").add_argument(
           "args", nargs="*")
+      continue
+    if getattr(module, "PASSTHROUGH", False):  # its own parser reads the arguments (bench)
+      sub.add_parser(name, help=module.HELP, add_help=False, prefix_chars="\0").add_argument(
+          "options", nargs="*")
       continue
     p = sub.add_parser(name, help=module.HELP, description=module.HELP)
     module.add_arguments(p)

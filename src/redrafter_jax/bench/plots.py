@@ -16,8 +16,8 @@ import json
 import pathlib
 import sys
 
-from redrafter_jax.bench.report import (GREEDY_AR, HF_GREEDY, histogram, measured, rate,
-                                        speedup, tokens_per_step, with_runs)
+from redrafter_jax.bench._measurements import (GREEDY_AR, HF_GREEDY, histogram, measured,
+                                               rate, speedup, tokens_per_step, with_runs)
 
 
 def _figure(ncols: int = 1):

@@ -51,7 +51,7 @@ from redrafter_jax.bench._runner import (Runner, adds_fp32_ar, adds_hf_bf16, env
                                          load_models)
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
 from redrafter_jax.bench.decode import Beams
-from redrafter_jax.bench.report import FP32_AR, HF_BF16
+from redrafter_jax.bench._measurements import FP32_AR, HF_BF16
 
 # CPU defaults: a full run takes well under an hour on 2 idle cores (13 prompts x 16 methods;
 # --per-category 2 roughly doubles the measuring). The drafter-only trees are the training
@@ -295,7 +295,7 @@ def run(o) -> pathlib.Path:
 
   from redrafter_jax.bench import report
   from redrafter_jax.bench.decode import step_split
-  from redrafter_jax.bench.report import Store
+  from redrafter_jax.bench._measurements import Store
   from redrafter_jax.weights.tokenizer import encode
 
   if o.gpu:
@@ -405,7 +405,7 @@ def batch_sweep(o, runner: Runner, store, prompts: list[list[int]], methods, bar
 
 
 def main(argv=None) -> int:
-  from redrafter_jax.bench.report import ResultsError
+  from redrafter_jax.bench._measurements import ResultsError
   from redrafter_jax.errors import user_errors
 
   o = parse_args(argv)

@@ -1,5 +1,6 @@
 """The ``redrafter-jax`` subcommands, one module each (``cli.COMMANDS``): ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int``."""
+``add_arguments(parser)`` and ``run(args) -> int``; a ``PASSTHROUGH`` one (``bench``,
+``loadtest``) has no parser of its own: ``run`` gets every argument as ``args.options``."""
 
 import argparse
 

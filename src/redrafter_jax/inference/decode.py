@@ -26,7 +26,6 @@ models again each time, which is the object's reason to exist).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -250,9 +249,9 @@ class ReDrafter:
 
   def start(self, p: Prepared) -> DecodeState:
     """The ``init`` program: prefill the prompts and choose each row's first token."""
-    return _init_jit.of(self.invariant)(self.llm_def, self.llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng,
-                     p.stop_ids, cache_size=p.cache_size, feature_layers=self.feature_layers,
-                     **self._static(p))
+    return _init_jit.of(self.invariant)(
+        self.llm_def, self.llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
+        cache_size=p.cache_size, feature_layers=self.feature_layers, **self._static(p))
 
   def width(self, p: Prepared, state: DecodeState) -> int | None:
     """The context bucket the next steps read (host side: reads the rows' lengths); None when
@@ -268,17 +267,18 @@ class ReDrafter:
     per context bucket."""
     while True:
       width = self.width(p, state)
-      state = _loop_jit.of(self.invariant)(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
-                        self.draft_embed, state, p.params, p.stop_ids, width=width,
-                        steps_per_check=self.config.steps_per_check, **self._static(p))
+      state = _loop_jit.of(self.invariant)(
+          self.llm_def, self.llm_state, self.drafter_def, self.drafter_state, self.draft_embed,
+          state, p.params, p.stop_ids, width=width,
+          steps_per_check=self.config.steps_per_check, **self._static(p))
       if width is None or bool(jnp.all(state.done_B)):
         return state
 
   def step(self, p: Prepared, state: DecodeState) -> DecodeState:
     """The ``step`` program: one draft -> verify -> accept -> commit (``state`` is donated)."""
-    return _step_jit.of(self.invariant)(self.llm_def, self.llm_state, self.drafter_def, self.drafter_state,
-                     self.draft_embed, state, p.params, p.stop_ids, width=self.width(p, state),
-                     **self._static(p))
+    return _step_jit.of(self.invariant)(
+        self.llm_def, self.llm_state, self.drafter_def, self.drafter_state, self.draft_embed,
+        state, p.params, p.stop_ids, width=self.width(p, state), **self._static(p))
 
   def __call__(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
                stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,

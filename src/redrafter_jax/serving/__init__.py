@@ -2,8 +2,8 @@
 
 Modules: ``engine`` (slots, queue, the engine thread), ``batch`` and ``placement`` (the device
 side), ``request``, ``textstream``, ``protocol`` and ``app`` (the HTTP side), ``metrics``,
-``server`` (assembly from a preset), ``loadtest``. Names
-load on first use, so the load test does not pull in the HTTP server or the engine.
+``server`` (assembly from a preset); the load test is a benchmark (``bench.loadtest``). Names
+load on first use, so importing one does not pull in the HTTP server or the engine.
 """
 
 import importlib

@@ -8,7 +8,7 @@ app stands in front: ``GET /health`` is 503 with ``{"status": "starting", "stage
 A start-up that fails answers ``/health`` with ``"status": "failed"`` and the error until the
 process exits (``serve`` stops the listener and reports the error as one line).
 
-Load balancers, orchestrators' readiness probes and ``loadtest`` already wait for ``/health``
+Load balancers, orchestrators' readiness probes and ``bench.loadtest`` already wait for ``/health``
 200, so they need no change; a client sees a refusal it can retry instead of a closed port.
 """
 

@@ -1,11 +1,11 @@
 """Load test for the OpenAI-compatible server (a benchmark script, loopback only, bounded).
 
 Against a running server:
-  python -m redrafter_jax.serving.loadtest --url http://127.0.0.1:8000 --requests 64 \\
+  redrafter-jax loadtest --url http://127.0.0.1:8000 --requests 64 \\
       --concurrency 16
 ReDrafter vs AR side by side (starts both servers itself, same settings, each warmed up alone;
 then loads them in turn, ``--rounds`` times, alternating which goes first):
-  python -m redrafter_jax.serving.loadtest --compare --config configs/smollm2_135m.yaml \\
+  redrafter-jax loadtest --compare --config configs/smollm2_135m.yaml \\
       --requests 64 --concurrency 16 --rounds 3 [--drafter PATH | --random-drafter] [--slots 8]
 
 A shared machine's speed drifts between runs by more than what separates two servers; rounds
@@ -328,7 +328,7 @@ def _load_kwargs(args, warm: bool = True) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m redrafter_jax.serving.loadtest",
+  p = argparse.ArgumentParser(prog="redrafter-jax loadtest",
                               description=__doc__.splitlines()[0])
   target = p.add_mutually_exclusive_group(required=True)
   target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
