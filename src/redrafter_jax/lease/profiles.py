@@ -139,7 +139,7 @@ def _recipe():
   return load_preset(TRAIN_CONFIG)
 
 
-def train(size: str) -> list[Step]:
+def train(size: str) -> Profile:
   """The ``train`` profile (issue 36 item 2): teacher data, a drafter trained on it, brought back
   and measured against AR, in one lease.
 
