@@ -1,6 +1,8 @@
 """``redrafter-jax`` command line: one subcommand per module in ``redrafter_jax.commands``.
 
-Each command module defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``. Errors
+Each command module defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``; a
+pass-through one (``PASSTHROUGH = True``: bench, loadtest) has no parser of its own and hands its
+arguments to the benchmark it runs. Errors
 that are the user's (``errors.UserError`` and its subclasses: bad arguments, configs, weights,
 unknown models; missing files) are printed as ONE line ``error: ...`` with exit status 2;
 anything else is a bug and keeps its traceback.
