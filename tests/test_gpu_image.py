@@ -32,8 +32,8 @@ MISSING = ("grain", "gguf", "fastapi", "uvicorn", "mlx")
 # Modules that may fail to import for want of a missing package, and the packages each may need.
 ALLOWED = {
     "redrafter_jax.serving.app": {"fastapi"},
-    "redrafter_jax.serving.server": {"fastapi", "uvicorn"},  # imports app and shutdown
-    "redrafter_jax.serving.shutdown": {"uvicorn"},
+    "redrafter_jax.serving.server": {"fastapi", "uvicorn"},  # imports app and lifecycle
+    "redrafter_jax.serving.lifecycle": {"uvicorn"},
     "redrafter_jax.training.": {"grain"},  # the training stack (a prefix): the input pipeline
 }
 # weights.mlx_runtime needs mlx only when it runs, lease/tiny and weights.llama_weights need gguf

@@ -201,7 +201,7 @@ def test_starting_server_answers_503_with_its_progress():
   from fastapi import FastAPI
 
   from redrafter_jax.serving.server import ServerThread
-  from redrafter_jax.serving.startup import Startup
+  from redrafter_jax.serving.lifecycle import Startup
 
   startup = Startup()
   with ServerThread(startup) as s:
@@ -270,7 +270,9 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
   preset's tree."""
   from flax import nnx
 
-  from redrafter_jax.config import Preset
+  import dataclasses
+
+  from redrafter_jax.config import Preset, ServeConfig
   from redrafter_jax.inference import tree_choice
   from redrafter_jax.models.drafter import Drafter
   from redrafter_jax.serving import server
@@ -292,8 +294,9 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
   assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget) == (
       choice.beams.width, choice.beams.length, choice.beams.lookup, choice.beams.budget or None)
   assert cfg.max_new_tokens == 16
-  auto = server.build(preset, slots=2, max_context=128, max_tokens=16, tree="auto")
-  fixed = server.build(preset, slots=2, max_context=128, max_tokens=16)
+  small = ServeConfig(slots=2, max_context=128, max_tokens=16, warmup=False)
+  auto = server.build(preset, small)  # tree="auto" is ServeConfig's default, as the CLI's
+  fixed = server.build(preset, dataclasses.replace(small, tree="preset"))
   try:
     assert auto.engine.config.decode == cfg
     assert fixed.engine.config.decode == preset.decode
@@ -308,8 +311,8 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
     fixed.close()
   # Smaller trees beside the served 3x4 (10 tree tokens): those that fit, each from its
   # measured tokens/step when the table has it; the others skipped; a malformed one refused.
-  smaller = server.build(preset, slots=2, max_context=128, max_tokens=16,
-                         trees=["1x3", "2x3+2/5", "1x5", "3x4", "1x3"])
+  smaller = server.build(preset, dataclasses.replace(
+      small, tree="preset", trees=["1x3", "2x3+2/5", "1x5", "3x4", "1x3"]))
   try:
     assert smaller.engine.config.trees == ("1x3", "2x3+2/5")
     assert smaller.engine.config.tree_priors == (1.3, 1.1)
@@ -324,6 +327,50 @@ def test_server_refuses_a_multi_layer_drafter_in_one_line():
   from redrafter_jax.config import ConfigError, Preset
   from redrafter_jax.serving import server
 
-  preset = Preset(model="random:tiny", drafter=dict(feature_layers=[0, 1]))
+  preset = Preset(model="random:tiny", drafter=dict(feature_layers=[0, 1]),
+                  serve=dict(slots=2, max_context=128, max_tokens=16, random_drafter=True,
+                             warmup=False))
   with pytest.raises(ConfigError, match=r"drafter.feature_layers \[0, 1\]"):
-    server.build(preset, slots=2, max_context=128, max_tokens=16, random_drafter=True)
+    server.build(preset)  # the preset's serve section
+
+
+def test_serve_settings_come_from_the_preset_then_the_flags(tmp_path, monkeypatch):
+  """``serve``'s settings: ServeConfig's defaults, then the preset's ``serve:`` section, then
+  the flags given (and ``--drafter`` replaces the preset's drafter_path); a bad value in the
+  section is one error that names the key."""
+  import argparse
+
+  from redrafter_jax.commands import serve as serve_command
+  from redrafter_jax.config import ConfigError, ServeConfig, load_preset
+
+  monkeypatch.delenv("REDRAFTER_API_KEY", raising=False)
+  path = tmp_path / "p.yaml"
+  path.write_text("model: random:tiny\ndrafter_path: shipped\n"
+                  "serve: {slots: 4, port: 9000, trees: [1x2, 1x3], cors_origins: '*'}\n")
+  p = argparse.ArgumentParser()
+  serve_command.add_arguments(p)
+
+  def settings(*argv):
+    args = p.parse_args(["--config", str(path), *argv])
+    from redrafter_jax.config import parse_overrides
+    return serve_command.serve_config(args, load_preset(path, parse_overrides(args.overrides)))
+
+  preset, serve = settings()
+  assert preset.drafter_path == "shipped"
+  assert serve == ServeConfig(slots=4, port=9000, trees=("1x2", "1x3"), cors_origins=("*",))
+  assert settings("--drafter", "elsewhere")[0].drafter_path == "elsewhere"
+  preset, serve = settings("--slots", "2", "--ar", "--trees", "1x4",
+                           "--no-warmup", "--served-model-name", "m", "--cors-origin", "a",
+                           "--cors-origin", "b", "serve.max_queue=3")
+  assert serve == ServeConfig(slots=2, port=9000, speculative=False, trees=("1x4",),
+                              warmup=False, model_name="m", cors_origins=("a", "b"),
+                              max_queue=3)
+  monkeypatch.setenv("REDRAFTER_API_KEY", "k1")
+  assert settings()[1].api_key == "k1" and settings("--api-key", "k2")[1].api_key == "k2"
+  for bad, message in (("serve.slots=0", "slots must be an integer >= 1, got 0"),
+                       ("serve.tree=big", "tree must be 'auto' or 'preset'"),
+                       ("serve.prot=1", "unknown key(s) 'prot' (did you mean 'port'?)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      settings(bad)
+  with pytest.raises(ConfigError, match="port must be in"):
+    settings("--port", "70000")

@@ -21,8 +21,8 @@ from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.inference.decode import decode
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.bench import loadtest
-from redrafter_jax.serving import access, protocol
-from redrafter_jax.serving.app import create_app
+from redrafter_jax.serving import protocol
+from redrafter_jax.serving.app import create_app, protect
 from redrafter_jax.serving.engine import Engine, EngineConfig
 from redrafter_jax.serving.server import ServerThread
 from redrafter_jax.weights import tokenizer as tokenizer_lib
@@ -514,7 +514,7 @@ def test_api_key_cors_and_allowed_hosts(one_slot):
   srv, engine = one_slot
   app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL)
   unauthorized = engine.metrics.rejected.labels(reason="unauthorized")
-  access.protect(app, api_key="s3cret", cors_origins=["https://app.example"],
+  protect(app, api_key="s3cret", cors_origins=["https://app.example"],
                  allowed_hosts=["127.0.0.1", "localhost"], on_reject=unauthorized.inc)
   before = unauthorized._value.get()
   with ServerThread(app) as http:

@@ -433,9 +433,85 @@ class TrainConfig:
     return _from_dict(cls, data, "train config")
 
 
+def _int_at_least(cfg, name: str, low: int, none_ok: bool = False) -> None:
+  value = getattr(cfg, name)
+  if value is None and none_ok:
+    return
+  if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _names(cfg, name: str) -> None:
+  """A list field given as one string or a list of strings, kept as a tuple of strings."""
+  value = getattr(cfg, name)
+  if isinstance(value, str):
+    value = tuple(v.strip() for v in value.split(",") if v.strip())
+  if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+    raise ConfigError(f"{name} must be a list of strings, got {value!r}")
+  object.__setattr__(cfg, name, tuple(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """A server's settings: what its engine runs and how it listens. A preset's ``serve:`` section
+  fills it, and ``redrafter-jax serve``'s flags override that (``serving.server.build`` reads
+  it; ``docs/serving.md`` says what each setting costs)."""
+
+  # The engine.
+  slots: int = 8  # requests decoded together (batch rows)
+  max_context: int | None = None  # cache slots per request (None: min(2048, the model's))
+  min_context_bucket: int = 512  # smallest context bucket a step reads (max_context: none)
+  prefill_tokens: int = 1024  # padded prompt tokens one admission call prefills
+  max_tokens: int = 512  # the largest max_tokens a request may ask for
+  default_max_tokens: int | None = None  # a request that gives none (None: decode's)
+  max_queue: int = 64  # requests waiting for a slot; more get HTTP 429
+  speculative: bool = True  # False: plain autoregressive steps (for comparison)
+  random_drafter: bool = False  # a randomly initialised drafter, not the preset's (tests)
+  # "auto": the draft tree predicted fastest on this device for the drafter (the preset's when
+  # the drafter has no acceptance table); "preset": the preset's decode settings.
+  tree: str = "auto"
+  trees: tuple[str, ...] = ()  # smaller trees the policy may run instead (``WxL[+n][/N]``)
+  devices: int | None = None  # devices on the model axis (None: all local ones)
+  warmup: bool = True  # compile every prompt bucket and step mode before serving
+  compile_cache: str | None = None  # compiled-program cache folder (None: the default; "off")
+  # HTTP.
+  host: str = "127.0.0.1"
+  port: int = 8000
+  model_name: str | None = None  # the model id clients use (None: the preset's model)
+  max_body_bytes: int = 1 << 20  # larger request bodies get HTTP 413
+  api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1 when set
+  cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ('*': any)
+  allowed_hosts: tuple[str, ...] = ()  # accepted Host headers ('*.example.com' patterns)
+  shutdown_grace: float = 30.0  # seconds in-flight requests get after SIGTERM/SIGINT
+
+  def __post_init__(self):
+    for name, low in (("slots", 1), ("min_context_bucket", 1), ("prefill_tokens", 1),
+                      ("max_tokens", 1), ("max_queue", 0), ("max_body_bytes", 1),
+                      ("port", 0)):
+      _int_at_least(self, name, low)
+    for name in ("max_context", "default_max_tokens", "devices"):
+      _int_at_least(self, name, 1, none_ok=True)
+    if self.port > 65535:
+      raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+    for name in ("speculative", "random_drafter", "warmup"):
+      if not isinstance(getattr(self, name), bool):
+        raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+    if self.tree not in ("auto", "preset"):
+      raise ConfigError(f"tree must be 'auto' or 'preset', got {self.tree!r}")
+    for name in ("trees", "cors_origins", "allowed_hosts"):
+      _names(self, name)
+    if not isinstance(self.shutdown_grace, (int, float)) or self.shutdown_grace < 0:
+      raise ConfigError(f"shutdown_grace must be a number of seconds >= 0, got "
+                        f"{self.shutdown_grace!r}")
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> "ServeConfig":
+    return _from_dict(cls, data, "serve config")
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
-  """A YAML preset: which base model, the drafter, decoding and training settings."""
+  """A YAML preset: which base model, the drafter, decoding, training and serving settings."""
 
   model: str = "smollm2-135m"  # a known name (see weights.fetch) or a path to GGUF / HF folder
   dtype: str = "float32"  # the LLM's activations and KV cache (the drafter computes in it too)
@@ -451,6 +527,7 @@ class Preset:
   drafter_path: str | None = None  # a trained drafter folder, or "shipped" (checkpoints/)
   decode: DecodeConfig = DecodeConfig()
   train: TrainConfig = TrainConfig()
+  serve: ServeConfig = ServeConfig()  # ``redrafter-jax serve``'s settings (its flags override)
 
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
@@ -464,6 +541,8 @@ class Preset:
       object.__setattr__(self, "decode", DecodeConfig.from_dict(self.decode))
     if isinstance(self.train, Mapping):
       object.__setattr__(self, "train", TrainConfig.from_dict(self.train))
+    if isinstance(self.serve, Mapping):
+      object.__setattr__(self, "serve", ServeConfig.from_dict(self.serve))
     if self.drafter is not None:
       allowed = {"exit_dim", "num_draft_layers", "rnn", "logit_top_k", "feature_layers"}
       unknown = sorted(set(self.drafter) - allowed)

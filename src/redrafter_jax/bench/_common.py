@@ -1,9 +1,52 @@
-"""What the benchmarks share: their drafter and draft-vocabulary arguments, loading the models
-they time, and writing a report."""
+"""What the benchmarks share: loading the models they time (``load``: every benchmark loads
+through it), their drafter and draft-vocabulary arguments, and writing a report."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+  """What a benchmark runs: the LLM, its config, the drafter (None when none was asked for) and
+  the tokenizer (None when not asked for)."""
+
+  llm: Any
+  cfg: Any
+  drafter: Any = None
+  tokenizer: Any = None
+
+
+def _dtype_name(value) -> str | None:
+  """A dtype given as a name, "auto" or a JAX/NumPy dtype, as its name (None stays None)."""
+  if value is None or isinstance(value, str):
+    return value
+  import jax.numpy as jnp
+
+  return jnp.dtype(value).name
+
+
+def load(model: str, *, dtype="float32", param_dtype=None, invariant: bool = False,
+         backend: str = "xla", drafter: str | None = None, exit_dim: int = 256,
+         tokenizer: bool = True) -> Models:
+  """The models a benchmark times: the base LLM for ``model`` (a known name, a path or
+  ``random:<spec>``, ``weights.base_model``) with ``dtype`` activations and ``param_dtype``
+  weights (None: ``dtype``; "auto": the platform's faster one), in the invariant mode if asked,
+  on attention ``backend``; the drafter ``drafter`` names (``load_drafter_arg``: a folder,
+  ``shipped`` or ``random``), computing in ``dtype``; and the model's tokenizer."""
+  import jax.numpy as jnp
+
+  from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
+
+  dtype = _dtype_name(dtype)
+  llm, cfg = load_base_model(model, dtype=dtype, param_dtype=_dtype_name(param_dtype),
+                             invariant=invariant, backend=backend)
+  return Models(llm, cfg,
+                None if drafter is None else load_drafter_arg(drafter, cfg, exit_dim,
+                                                              dtype=jnp.dtype(dtype)),
+                load_base_tokenizer(model) if tokenizer else None)
 
 
 def load_drafter_arg(spec: str, llm_cfg, exit_dim: int, dtype=None):
@@ -34,15 +77,13 @@ def draft_vocab_arg(spec: str, value: int | None) -> int:
   return draft_vocab_for(resolve_drafter(spec), value)
 
 
-def load_models(args, *, exit_dim: int = 256):
-  """The base model (``args.model`` with ``args.param_dtype`` weights), its config and the
-  drafter (``args.drafter``); ``args.draft_vocab`` is resolved in place."""
-  from redrafter_jax.weights.base_model import load_base_model
-
-  llm, cfg = load_base_model(args.model, param_dtype=args.param_dtype)
-  drafter = load_drafter_arg(args.drafter, cfg, exit_dim=exit_dim)
+def load_models(args, *, exit_dim: int = 256) -> Models:
+  """``load`` for the usual arguments: ``args.model`` with ``args.param_dtype`` weights and the
+  drafter ``args.drafter``; ``args.draft_vocab`` is resolved in place."""
+  models = load(args.model, param_dtype=args.param_dtype, drafter=args.drafter,
+                exit_dim=exit_dim)
   args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
-  return llm, cfg, drafter
+  return models
 
 
 def emit(report: str, out: pathlib.Path | None) -> None:

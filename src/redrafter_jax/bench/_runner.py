@@ -191,19 +191,14 @@ def load_models(o):
   """``(llm, llm with float32 weights or None, drafter, tokenizer, transformers model or None,
   transformers in bfloat16 or None, note on skipped peers)``; the second LLM only when
   ``adds_fp32_ar(o)``, the second transformers model only when ``adds_hf_bf16(o)``."""
-  import jax.numpy as jnp
+  from redrafter_jax.bench._common import load
+  from redrafter_jax.weights.llama_weights import resolve_source
 
-  from redrafter_jax.bench._common import load_drafter_arg
-  from redrafter_jax.weights.llama_weights import load_llama, resolve_source
-  from redrafter_jax.weights.tokenizer import load_tokenizer
-
-  dtype = jnp.dtype(o.dtype)
-  llm, cfg = load_llama(o.model, dtype=dtype, param_dtype=jnp.dtype(o.param_dtype),
-                        backend=o.attention)
-  llm_fp32 = (load_llama(o.model, dtype=dtype, backend=o.attention)[0]
+  models = load(o.model, dtype=o.dtype, param_dtype=o.param_dtype, backend=o.attention,
+                drafter=o.drafter, exit_dim=o.exit_dim)
+  llm_fp32 = (load(o.model, dtype=o.dtype, backend=o.attention, tokenizer=False).llm
               if adds_fp32_ar(o) else None)
   path = resolve_source(o.model)
-  drafter = load_drafter_arg(o.drafter, cfg, o.exit_dim, dtype=dtype)
   hf, hf_bf16, note = None, None, ""
   if not o.no_transformers:
     import torch
@@ -217,4 +212,4 @@ def load_models(o):
         hf = hf.to(device="cuda", dtype=getattr(torch, o.dtype))
       if adds_hf_bf16(o):
         hf_bf16 = copy.deepcopy(hf).to(dtype=torch.bfloat16)
-  return llm, llm_fp32, drafter, load_tokenizer(path), hf, hf_bf16, note
+  return models.llm, llm_fp32, models.drafter, models.tokenizer, hf, hf_bf16, note

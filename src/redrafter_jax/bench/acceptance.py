@@ -39,8 +39,7 @@ from flax import nnx
 
 from redrafter_jax.models.drafter import restrict_vocab
 from redrafter_jax.training.losses import frozen_hidden
-from redrafter_jax.weights.llama_weights import load_llama, resolve_source
-from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
+from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
 
 def pick_prompts(path, tok, per_category: int, max_prompt_tokens: int, skip: int = 0):
@@ -132,7 +131,7 @@ def runs(hits_xn: np.ndarray, L: int) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-  from redrafter_jax.bench._common import draft_vocab_arg, load_drafter_arg
+  from redrafter_jax.bench._common import draft_vocab_arg, load, load_drafter_arg
   from redrafter_jax.inference.ar import generate
 
   ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench acceptance",
@@ -164,8 +163,8 @@ def main(argv=None) -> int:
     return 2
 
   start = time.perf_counter()
-  llm, llm_cfg = load_llama(args.model)
-  tok = load_tokenizer(resolve_source(args.model))
+  models = load(args.model)
+  llm, llm_cfg, tok = models.llm, models.cfg, models.tokenizer
   drafters = [restrict_vocab(load_drafter_arg(s, llm_cfg, 0), draft_vocab_arg(s, args.draft_vocab))
               for s in specs]
   prompts = pick_prompts(args.prompts, tok, args.per_category, args.max_prompt_tokens,

@@ -218,8 +218,9 @@ def main(argv=None) -> int:
   import jax
   import torch
 
-  from redrafter_jax.weights.llama_weights import load_llama, resolve_source
-  from redrafter_jax.weights.tokenizer import encode, load_tokenizer
+  from redrafter_jax.bench._common import load
+  from redrafter_jax.weights.llama_weights import resolve_source
+  from redrafter_jax.weights.tokenizer import encode
 
   args = parse_args(argv)
   try:
@@ -227,11 +228,9 @@ def main(argv=None) -> int:
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  import jax.numpy as jnp
-
-  model, _ = load_llama(args.model, param_dtype=jnp.dtype(args.param_dtype))
+  models = load(args.model, param_dtype=args.param_dtype)
+  model, tok = models.llm, models.tokenizer
   path = resolve_source(args.model)
-  tok = load_tokenizer(path)
   hf = load_hf(path)
 
   print(f"# AR decoding: redrafter_jax (JAX) vs transformers (PyTorch), {args.model}, ours "

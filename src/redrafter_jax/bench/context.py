@@ -133,15 +133,14 @@ def render(rows: list[dict], args, header: str) -> str:
 
 def main(argv=None) -> int:
   import jax
-  import jax.numpy as jnp
 
+  from redrafter_jax.bench._common import load
   from redrafter_jax.errors import UserError
-  from redrafter_jax.weights.llama_weights import load_llama
 
   args = parse_args(argv)
   try:
-    llm, _ = load_llama(args.model, dtype=jnp.float32, backend=args.backend,
-                        param_dtype=jnp.dtype(args.param_dtype))
+    llm = load(args.model, backend=args.backend, param_dtype=args.param_dtype,
+               tokenizer=False).llm
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redrafter_jax.bench._common import draft_vocab_arg, load_drafter_arg
+from redrafter_jax.bench._common import draft_vocab_arg, load
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import step as step_lib
@@ -26,8 +26,7 @@ from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.inference.timing import median_seconds
 from redrafter_jax.inference.tree_choice import Beams
 from redrafter_jax.models import linear
-from redrafter_jax.weights.llama_weights import load_llama, resolve_source
-from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
+from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
 
 def load_prompts(path, tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -118,11 +117,11 @@ def main(argv=None) -> int:
              f"{args.weight_layouts!r}")
   args.draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
 
-  llm, llm_cfg = load_llama(args.model, param_dtype=jnp.dtype(args.param_dtype))
+  models = load(args.model, param_dtype=args.param_dtype, drafter=args.drafter,
+                exit_dim=args.exit_dim)
+  llm, drafter, tok = models.llm, models.drafter, models.tokenizer
   llms = {x: linear.to_layout(nnx.clone(llm) if i else llm, x) for i, x in enumerate(layouts)}
-  tok = load_tokenizer(resolve_source(args.model))
   stops = stop_token_ids(tok)
-  drafter = load_drafter_arg(args.drafter, llm_cfg, args.exit_dim)
   prompts = load_prompts(args.prompts, tok, args.num_prompts, args.max_prompt_tokens)
   cfgs = [b.config(max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
           for b in settings]

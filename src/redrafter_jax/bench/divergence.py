@@ -364,30 +364,26 @@ def judge_model(llm, model: str, param_dtype: str):
   """The float32-activation model with ``llm``'s weights (``llm`` itself when it is one)."""
   import jax.numpy as jnp
 
-  from redrafter_jax.weights.llama_weights import load_llama
+  from redrafter_jax.bench._common import load
 
   if jnp.dtype(llm.dtype) == jnp.float32 and llm.backend == "xla":
     return llm
-  return load_llama(model, dtype=jnp.float32, param_dtype=jnp.dtype(param_dtype))[0]
+  return load(model, param_dtype=param_dtype, tokenizer=False).llm
 
 
 def run(o) -> dict:
   """Every run and gap, as the JSON ``divergence.json`` holds."""
-  import jax.numpy as jnp
   from tqdm import tqdm
 
-  from redrafter_jax.bench._common import load_drafter_arg
+  from redrafter_jax.bench._common import load
   from redrafter_jax.bench._runner import Runner
   from redrafter_jax.bench.suite import Method, select_prompts
-  from redrafter_jax.weights.llama_weights import load_llama, resolve_source
-  from redrafter_jax.weights.tokenizer import encode, load_tokenizer
+  from redrafter_jax.weights.tokenizer import encode
 
   rows = select_prompts(o.prompts, o.per_category)
-  dtype = jnp.dtype(o.dtype)
-  llm, cfg = load_llama(o.model, dtype=dtype, param_dtype=jnp.dtype(o.param_dtype),
-                        backend=o.attention)
-  drafter = load_drafter_arg(o.drafter, cfg, o.exit_dim, dtype=dtype)
-  tok = load_tokenizer(resolve_source(o.model))
+  models = load(o.model, dtype=o.dtype, param_dtype=o.param_dtype, backend=o.attention,
+                drafter=o.drafter, exit_dim=o.exit_dim)
+  llm, drafter, tok = models.llm, models.drafter, models.tokenizer
   runner = Runner(o, llm, drafter, tok, None)
   prompts, meta = {}, {}
   for row in rows:

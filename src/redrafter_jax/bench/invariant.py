@@ -66,10 +66,15 @@ def trees(drafter_spec: str, max_new_tokens: int) -> dict:
   return {"RD shipped": shipped, "RD 4x5": whole}
 
 
-def batched(call, prompts: list, size: int) -> list[list[int]]:
-  out = []
+def batched(call, prompts: list, size: int, name: str = "") -> list[list[int]]:
+  """``call`` on ``prompts`` in batches of ``size``; each run's wall time goes to stderr (the
+  whole bench runs for an hour or more on a 2-core CPU)."""
+  t0, out = time.perf_counter(), []
   for i in range(0, len(prompts), size):
     out += call(prompts[i:i + size])
+  if name:
+    print(f"{name}: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+          flush=True)
   return out
 
 
@@ -94,21 +99,16 @@ def timed_per_token(call, prompts: list) -> float:
 
 
 def run(o) -> str:
-  import jax.numpy as jnp
-
-  from redrafter_jax.bench._common import load_drafter_arg
+  from redrafter_jax.bench._common import load
   from redrafter_jax.bench.ar import read_prompts
   from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference.decode import ReDrafter
-  from redrafter_jax.weights.llama_weights import load_llama, resolve_source
-  from redrafter_jax.weights.tokenizer import encode, load_tokenizer
+  from redrafter_jax.weights.tokenizer import encode
 
-  bf16 = jnp.bfloat16
-  models = {mode: load_llama(o.model, dtype=bf16, param_dtype=bf16, invariant=mode == "inv")[0]
-            for mode in ("default", "inv")}
-  cfg = models["inv"].config
-  drafter = load_drafter_arg(o.drafter, cfg, 256, dtype=bf16)
-  tok = load_tokenizer(resolve_source(o.model))
+  inv = load(o.model, dtype="bfloat16", invariant=True, drafter=o.drafter)
+  default = load(o.model, dtype="bfloat16", tokenizer=False)
+  models = {"default": default.llm, "inv": inv.llm}
+  drafter, tok = inv.drafter, inv.tokenizer
   prompts = [encode(tok, row["prompt"], chat=True)
              for row in read_prompts(o.prompts, o.num_prompts)]
   N = o.max_new_tokens
@@ -117,14 +117,15 @@ def run(o) -> str:
   rd = {(mode, name): ReDrafter(m, drafter, c)
         for mode, m in models.items() for name, c in trees(o.drafter, N).items()}
 
-  runs = {"AR b1": batched(ar["inv"], prompts, 1),
-          f"AR b{o.batch}": batched(ar["inv"], prompts, o.batch)}
+  B = o.batch
+  runs = {"AR b1": batched(ar["inv"], prompts, 1, "invariant AR b1"),
+          f"AR b{B}": batched(ar["inv"], prompts, B, f"invariant AR b{B}")}
   for name in trees(o.drafter, N):
     call = lambda ps, r=rd[("inv", name)]: r(ps).tokens
-    runs[f"{name} b1"] = batched(call, prompts, 1)
-    runs[f"{name} b{o.batch}"] = batched(call, prompts, o.batch)
-  control = {"AR b1": batched(ar["default"], prompts, 1),
-             f"AR b{o.batch}": batched(ar["default"], prompts, o.batch)}
+    runs[f"{name} b1"] = batched(call, prompts, 1, f"invariant {name} b1")
+    runs[f"{name} b{B}"] = batched(call, prompts, B, f"invariant {name} b{B}")
+  control = {"AR b1": batched(ar["default"], prompts, 1, "default AR b1"),
+             f"AR b{B}": batched(ar["default"], prompts, B, f"default AR b{B}")}
   return report(o, prompts, runs, control, None if o.no_cost else cost(prompts, ar, rd))
 
 

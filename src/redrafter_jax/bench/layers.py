@@ -134,7 +134,8 @@ def main(argv=None) -> int:
   from redrafter_jax.models.llama import stack_layers
 
   t0 = time.perf_counter()
-  llm, cfg, drafter = load_models(args)
+  m = load_models(args)
+  llm, cfg, drafter = m.llm, m.cfg, m.drafter
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.context)).tolist()
   results, tokens = {}, {}

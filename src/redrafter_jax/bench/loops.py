@@ -170,19 +170,17 @@ def measure(calls, reps: int) -> dict:
 def run_variant(args) -> dict:
   """Time AR and ReDrafter for each batch size in this process (its XLA flags set)."""
   import jax
-  import jax.numpy as jnp
 
-  from redrafter_jax.bench._common import draft_vocab_arg, load_drafter_arg
+  from redrafter_jax.bench._common import draft_vocab_arg, load
   from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference.decode import ReDrafter
   from redrafter_jax.models.linear import resolve_param_dtype
-  from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
 
   k = steps_of(args.variant)
-  llm, cfg = load_base_model(args.model, dtype=args.dtype, param_dtype=args.param_dtype)
-  drafter = load_drafter_arg(args.drafter, cfg, args.exit_dim, dtype=jnp.dtype(args.dtype))
+  models = load(args.model, dtype=args.dtype, param_dtype=args.param_dtype,
+                drafter=args.drafter, exit_dim=args.exit_dim, tokenizer=args.prompts != "random")
+  llm, cfg, drafter, tok = models.llm, models.cfg, models.drafter, models.tokenizer
   draft_vocab = draft_vocab_arg(args.drafter, args.draft_vocab)
-  tok = None if args.prompts == "random" else load_base_tokenizer(args.model)
   prompts = load_prompts(args, tok, cfg.vocab_size)
   n = args.max_new_tokens
   rd = ReDrafter(llm, drafter, args.beams.config(max_new_tokens=n, draft_vocab_size=draft_vocab,

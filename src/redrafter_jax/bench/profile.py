@@ -153,15 +153,14 @@ def main(argv=None) -> int:
 def _run(args, dump: pathlib.Path) -> int:
   import jax
 
+  from redrafter_jax.bench._common import load
   from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference.decode import ReDrafter
   from redrafter_jax.weights.drafter_io import load_drafter
-  from redrafter_jax.weights.llama_weights import load_llama
   from redrafter_jax.weights.shipped import recommended_config, resolve_drafter
 
-  import jax.numpy as jnp
-
-  llm, cfg = load_llama(args.model, param_dtype=jnp.dtype(args.param_dtype))
+  models = load(args.model, param_dtype=args.param_dtype, tokenizer=False)
+  llm, cfg = models.llm, models.cfg
   prompt = [1] + [100 + i % (cfg.vocab_size - 100) for i in range(args.prompt_tokens - 1)]
   if args.mode == "ar":
     run = lambda: generate(llm, [prompt], max_new_tokens=args.max_new_tokens)

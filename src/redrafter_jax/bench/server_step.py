@@ -3,7 +3,7 @@
 Alone on the server, a request runs the step ``generate``'s loop runs, plus what serving adds:
 the step reads a context bucket of the cache (``--min-context-bucket`` and up) rather than a
 cache the request's own size, takes its row out of the slot batch and writes it back
-(``serving/rows.py``), is dispatched once per step by the engine thread, and its tokens are read,
+(``serving/placement.py``'s ``take_rows``/``put_rows``), is dispatched once per step by the engine thread, and its tokens are read,
 detokenized and handed over on the host. For the ReDrafter tree and for AR, in one process:
 
   ``batch-1 step``         ``ReDrafter.step`` / AR's one-token step on a batch-1 cache of the
@@ -180,11 +180,10 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   from redrafter_jax.bench._common import emit, load_models
   from redrafter_jax.weights import tokenizer as tokenizer_lib
-  from redrafter_jax.weights.base_model import load_base_tokenizer
 
   t0 = time.perf_counter()
-  llm, cfg, drafter = load_models(args)
-  tok = load_base_tokenizer(args.model)
+  m = load_models(args)
+  llm, drafter, tok = m.llm, m.drafter, m.tokenizer
   ids = tokenizer_lib.encode(tok, args.prompt, chat=True)
   if len(ids) + args.max_tokens + 16 > args.max_context:
     raise SystemExit(f"error: the prompt ({len(ids)} tokens) and --max-tokens "

@@ -138,22 +138,23 @@ def _run(args) -> int:
 
   import jax
 
-  from redrafter_jax.training import distill
-  from redrafter_jax.weights import base_model
+  from redrafter_jax.bench._common import load
   from redrafter_jax.config import load_preset
+  from redrafter_jax.training import distill
   from redrafter_jax.training.trainer import train
+  from redrafter_jax.weights import base_model
 
   logging.getLogger("absl").setLevel(logging.WARNING)
   distill.read_prompts(args.prompts)  # a bad file fails now, not after the roofline rows
   rows = []  # (job, setting, tokens/s)
   for dtype in ("float32", "bfloat16"):
-    llm, _ = base_model.load_base_model(args.model, param_dtype=dtype)
+    llm = load(args.model, param_dtype=dtype, tokenizer=False).llm
     for B, T in args.forward_shapes:
       tok_s = forward_tokens_per_s(llm, B, T, args.reps)
       rows.append(("forward (roofline)", f"{dtype} weights, {B}x{T}", tok_s))
       print(f"forward {dtype} {B}x{T}: {tok_s:.0f} tok/s", flush=True)
     del llm
-  llm, _ = base_model.load_base_model(args.model, param_dtype=args.gen_param_dtype)
+  llm = load(args.model, param_dtype=args.gen_param_dtype, tokenizer=False).llm
   for B, S in args.decode_steps:
     tok_s = decode_step_tokens_per_s(llm, B, S, args.reps)
     rows.append(("decode step", f"{args.gen_param_dtype} weights, batch {B}, cache {S} slots "
@@ -194,8 +195,8 @@ def _run(args) -> int:
       print(f"training: {tok_s:.0f} tok/s", flush=True)
       from redrafter_jax.training import features
 
-      llm, _ = base_model.load_base_model(preset.model, dtype=preset.dtype,
-                                          param_dtype=preset.param_dtype)
+      llm = load(preset.model, dtype=preset.dtype, param_dtype=preset.param_dtype,
+                 tokenizer=False).llm
       feats = pathlib.Path(tmp) / "features"
       features.write_features(llm, data_dir, feats / "warmup", model_name=preset.model,
                               seq_len=p.seq_len)  # compiles every length bucket

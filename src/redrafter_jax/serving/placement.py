@@ -32,7 +32,6 @@ from redrafter_jax.models.invariant import compiler_options
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import batch as batch_lib
 from redrafter_jax.serving import policy as policy_lib
-from redrafter_jax.serving import rows as rows_lib
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +352,7 @@ class Placement:
 
     def step(llm_state, drafter_state, embed_VD, batch, stop_ids, idx_b, live_b, kind):
       llm = nnx.merge(llm_def, llm_state)
-      sub = batch_lib.release(batch if whole else rows_lib.take(batch, idx_b, context),
+      sub = batch_lib.release(batch if whole else batch_lib.take_rows(batch, idx_b, context),
                               live_b)
       start_b = sub.state.cache.lengths_B  # the step writes only from here on
       if dcfg is not None:
@@ -364,7 +363,7 @@ class Placement:
         sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context)
       if whole:
         return sub, out
-      return rows_lib.put(batch, idx_b, sub, (start_b, written)), out
+      return batch_lib.put_rows(batch, idx_b, sub, (start_b, written)), out
 
     return jax.jit(step, donate_argnums=(3,), out_shardings=self._out,
                    compiler_options=self._options)

@@ -1,11 +1,12 @@
-"""Assemble a server from a preset (model, tokenizer, drafter, mesh, engine, app) and run it.
+"""Assemble a server from a preset and its ``ServeConfig`` (model, tokenizer, drafter, mesh,
+engine, app) and run it.
 
 ``build`` loads everything; ``ServerThread`` runs uvicorn in a background thread on a socket
 bound before it starts (tests and the load test's own servers: no port races, bounded waits);
 ``serve_forever`` listens at once and builds in a background thread (``startup``: ``/health``
 answers 503 with the progress until ready), then serves in the foreground until SIGINT/SIGTERM
-and shuts down gracefully (``shutdown.GracefulServer``: in-flight requests get
-``shutdown_grace`` seconds).
+and shuts down gracefully (``lifecycle.GracefulServer``: in-flight requests get
+``serve.shutdown_grace`` seconds).
 """
 
 from __future__ import annotations
@@ -17,19 +18,16 @@ import pathlib
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 from flax import nnx
 
-from redrafter_jax.config import ConfigError, Preset
-from redrafter_jax.serving import access
-from redrafter_jax.serving.app import SamplingDefaults, create_app
-from redrafter_jax.serving.body import DEFAULT_MAX_BODY_BYTES
+from redrafter_jax.config import ConfigError, Preset, ServeConfig
+from redrafter_jax.serving.app import SamplingDefaults, create_app, protect
 from redrafter_jax.serving.engine import Engine, EngineConfig, tree_mode
 from redrafter_jax.serving.placement import serving_mesh
-from redrafter_jax.serving.shutdown import make_server
-from redrafter_jax.serving.startup import Startup
+from redrafter_jax.serving.lifecycle import Startup, make_server
 
 log = logging.getLogger(__name__)
 
@@ -46,45 +44,43 @@ class Server:
     self.engine.stop()
 
 
-def drafter_folder(preset: Preset, path: str | None = None) -> pathlib.Path | None:
-  """The folder of the drafter to serve: ``path`` or the preset's ``drafter_path`` ('shipped'
-  resolved), None when neither names one. Raises ``ConfigError`` when it is missing."""
-  path = path or preset.drafter_path
-  if path is None:
+def drafter_folder(preset: Preset) -> pathlib.Path | None:
+  """The folder of the preset's drafter (``drafter_path``, 'shipped' resolved), None when it
+  names none. Raises ``ConfigError`` when it is missing."""
+  if preset.drafter_path is None:
     return None
   from redrafter_jax.weights.shipped import resolve_drafter
 
   try:
-    return resolve_drafter(path)
+    return resolve_drafter(preset.drafter_path)
   except FileNotFoundError as e:
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
 
-def served_drafter_folder(preset: Preset, path: str | None) -> pathlib.Path:
+def served_drafter_folder(preset: Preset) -> pathlib.Path:
   """``drafter_folder``, which a speculative server must have: ``ConfigError`` when none."""
-  folder = drafter_folder(preset, path)
+  folder = drafter_folder(preset)
   if folder is None:
     raise ConfigError("no drafter to serve: set drafter_path in the preset, pass --drafter PATH, "
                       "or use --random-drafter (tests) or --ar (no speculation)")
   return folder
 
 
-def preflight(preset: Preset, *, speculative: bool = True, drafter_path: str | None = None,
-              random_drafter: bool = False) -> None:
+def preflight(preset: Preset, serve: ServeConfig) -> None:
   """The checks that need no model loaded (a named drafter exists), so that ``serve`` reports
   them before it listens rather than from its background start-up."""
-  if speculative and not random_drafter:
-    served_drafter_folder(preset, drafter_path)
-  serving_param_dtype(preset, drafter_path=drafter_path, random_drafter=random_drafter)
+  if serve.speculative and not serve.random_drafter:
+    served_drafter_folder(preset)
+  serving_param_dtype(preset, random_drafter=serve.random_drafter)
 
 
-def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool, seed: int = 0):
-  """The drafter to serve: a random one (tests), ``path``, or the preset's ``drafter_path``."""
+def load_drafter_for(preset: Preset, llm_cfg, *, random: bool, seed: int = 0):
+  """The drafter to serve: a random one (tests), or the preset's ``drafter_path``."""
   from redrafter_jax.models.drafter import Drafter
 
   if random:
     return Drafter(preset.drafter_config(llm_cfg), rngs=nnx.Rngs(seed))
-  folder = served_drafter_folder(preset, path)
+  folder = served_drafter_folder(preset)
   from redrafter_jax.weights.drafter_io import load_drafter
 
   try:
@@ -93,15 +89,14 @@ def load_drafter_for(preset: Preset, llm_cfg, *, path: str | None, random: bool,
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
 
-def serving_param_dtype(preset: Preset, *, drafter_path: str | None = None,
-                        random_drafter: bool = False) -> str | None:
+def serving_param_dtype(preset: Preset, *, random_drafter: bool = False) -> str | None:
   """The LLM weight dtype a server loads: the preset's ``param_dtype`` when it sets one, else
   the one its drafter's settings were measured with (decode.json; "auto": the platform's faster
   one), else None (the preset's ``dtype``). A ``--ar`` server resolves the same drafter, so a
   ReDrafter-vs-AR comparison serves the same weights."""
   if preset.param_dtype is not None or random_drafter:
     return preset.param_dtype
-  folder = drafter_folder(preset, drafter_path)
+  folder = drafter_folder(preset)
   if folder is None:
     return None
   from redrafter_jax.weights.shipped import param_dtype_for
@@ -112,8 +107,7 @@ def serving_param_dtype(preset: Preset, *, drafter_path: str | None = None,
     raise ConfigError(str(e)) from None
 
 
-def served_decode(preset: Preset, llm, drafter, drafter_path: str | None = None, *,
-                  tree: str = "preset"):
+def served_decode(preset: Preset, llm, drafter, *, tree: str = "preset"):
   """The decode settings a server runs and the policy's starting tokens/step:
   ``(decode, prior)``. ``tree`` "auto": the preset's settings with the draft tree predicted
   fastest on this device (``tree_choice.for_device``), the preset's own when the drafter has no
@@ -122,7 +116,7 @@ def served_decode(preset: Preset, llm, drafter, drafter_path: str | None = None,
   the tree's length)."""
   from redrafter_jax.inference import tree_choice
 
-  table = tree_choice.read_acceptance(drafter_folder(preset, drafter_path))
+  table = tree_choice.read_acceptance(drafter_folder(preset))
   decode = preset.decode
   if tree == "auto" and table is None:
     log.info("the drafter has no %s: serving the preset's tree", tree_choice.ACCEPTANCE_FILE)
@@ -195,80 +189,80 @@ def use_compile_cache(path: str | None, devices: int | None = None) -> str | Non
   return path
 
 
-def build(preset: Preset, *, slots: int = 8, max_context: int | None = None,
-          min_context_bucket: int = 512, prefill_tokens: int = 1024, max_tokens: int = 512,
-          default_max_tokens: int | None = None, max_queue: int = 64,
-          speculative: bool = True, drafter_path: str | None = None,
-          random_drafter: bool = False, devices: int | None = None,
-          model_name: str | None = None, warmup: bool = False,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-          cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
-          tree: str = "preset", trees: Sequence[str] = (),
-          startup: Startup | None = None) -> Server:
-  """Load the preset's model and tokenizer (and drafter unless AR), start the engine.
+def engine_config(preset: Preset, serve: ServeConfig, llm_cfg) -> EngineConfig:
+  """The engine's settings from the server's: the preset's decode settings (the draft tree is
+  chosen later, once the drafter is loaded), ``max_context`` min(2048, the model's context)
+  unless set, ``default_max_tokens`` the preset's ``decode.max_new_tokens`` unless set."""
+  return EngineConfig(
+      slots=serve.slots, max_context=serve.max_context or min(2048,
+                                                               llm_cfg.max_position_embeddings),
+      max_tokens=serve.max_tokens,
+      default_max_tokens=serve.default_max_tokens or preset.decode.max_new_tokens,
+      max_queue=serve.max_queue, speculative=serve.speculative, decode=preset.decode,
+      min_context_bucket=serve.min_context_bucket, prefill_tokens=serve.prefill_tokens)
 
-  ``max_context`` defaults to min(2048, the model's context); ``default_max_tokens`` (for
-  requests that do not say) to the preset's ``decode.max_new_tokens``. ``tree``: "preset" serves
-  the preset's draft tree; "auto" the one predicted fastest on this device for the drafter
-  (``served_decode``, batch 1; the preset's when the drafter has no acceptance table).
-  ``trees``: smaller trees the policy may run instead at a step's rows
+
+def build(preset: Preset, serve: ServeConfig | None = None, *,
+          startup: Startup | None = None) -> Server:
+  """Load the preset's model and tokenizer (and drafter unless AR), start the engine, and make
+  the app, all as ``serve`` (None: the preset's ``serve`` section) says.
+
+  ``serve.tree``: "preset" serves the preset's draft tree; "auto" the one predicted fastest on
+  this device for the drafter (``served_decode``, batch 1; the preset's when the drafter has no
+  acceptance table). ``serve.trees``: smaller trees the policy may run instead at a step's rows
   (``with_smaller_trees``; ``EngineConfig.trees``). ``startup``: hears each stage and warm-up
   program (``serve_forever``'s ``/health`` reports them while this runs).
   """
   from redrafter_jax.weights import tokenizer as tokenizer_lib
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
 
+  serve = preset.serve if serve is None else serve
   stage = startup.stage if startup is not None else (lambda name: log.info("%s", name))
   stage("loading the model")
-  mesh = serving_mesh(devices)
-  param_dtype = serving_param_dtype(preset, drafter_path=drafter_path,
-                                    random_drafter=random_drafter)
+  mesh = serving_mesh(serve.devices)
+  param_dtype = serving_param_dtype(preset, random_drafter=serve.random_drafter)
   llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=param_dtype,
                                  invariant=preset.invariant)
   tok = load_base_tokenizer(preset.model)
-  engine_config = EngineConfig(
-      slots=slots, max_context=max_context or min(2048, llm_cfg.max_position_embeddings),
-      max_tokens=max_tokens, default_max_tokens=default_max_tokens or preset.decode.max_new_tokens,
-      max_queue=max_queue, speculative=speculative, decode=preset.decode,
-      min_context_bucket=min_context_bucket, prefill_tokens=prefill_tokens)
+  config = engine_config(preset, serve, llm_cfg)
   drafter = None
-  if engine_config.speculative:
+  if config.speculative:
     stage("loading the drafter")
-    drafter = load_drafter_for(preset, llm_cfg, path=drafter_path, random=random_drafter)
+    drafter = load_drafter_for(preset, llm_cfg, random=serve.random_drafter)
     if drafter.config.feature_layers:
       raise ConfigError(f"the server cannot serve a drafter that reads several LLM layers yet "
                         f"(drafter.feature_layers {list(drafter.config.feature_layers)}): its "
                         "slot batch carries the last hidden state only; serve a reference-format "
                         "drafter, or decode with rj.ReDrafter")
     folder = None
-    if not random_drafter:
-      folder = drafter_folder(preset, drafter_path)
-      stage("choosing the draft tree" if tree == "auto" else "reading the drafter's settings")
-      decode, prior = served_decode(preset, llm, drafter, drafter_path, tree=tree)
-      engine_config = dataclasses.replace(engine_config, decode=decode,
-                                          prior_tokens_per_step=prior)
-    engine_config = with_smaller_trees(engine_config, trees, folder)
-  engine = Engine(llm, tok, drafter, config=engine_config,
+    if not serve.random_drafter:
+      folder = drafter_folder(preset)
+      stage("choosing the draft tree" if serve.tree == "auto" else
+            "reading the drafter's settings")
+      decode, prior = served_decode(preset, llm, drafter, tree=serve.tree)
+      config = dataclasses.replace(config, decode=decode, prior_tokens_per_step=prior)
+    config = with_smaller_trees(config, serve.trees, folder)
+  engine = Engine(llm, tok, drafter, config=config,
                   stop_ids=tokenizer_lib.stop_token_ids(tok), mesh=mesh)
   weights = jax.numpy.dtype(llm.param_dtype).name
   del llm, drafter  # the engine holds the placed copies
-  if warmup:
+  if serve.warmup:
     stage("warm-up: compiling every prompt bucket and step, then timing the steps")
     engine.warmup(progress=startup.warmup if startup is not None else None)
   engine.start()
   d = preset.decode
-  name = model_name or preset.model
+  name = serve.model_name or preset.model
   app = create_app(engine, tok, model_name=name,
                    defaults=SamplingDefaults(d.temperature, d.top_p, d.top_k),
-                   max_body_bytes=max_body_bytes)
+                   max_body_bytes=serve.max_body_bytes)
   unauthorized = engine.metrics.rejected.labels(reason="unauthorized")
-  access.protect(app, api_key=api_key, cors_origins=cors_origins, allowed_hosts=allowed_hosts,
-                 on_reject=unauthorized.inc)
+  protect(app, api_key=serve.api_key, cors_origins=serve.cors_origins,
+          allowed_hosts=serve.allowed_hosts, on_reject=unauthorized.inc)
   log.info("API key: %s; CORS origins: %s; allowed Host names: %s",
-           "required on /v1" if api_key else "none (open)", ", ".join(cors_origins) or "none",
-           ", ".join(allowed_hosts) or "any")
+           "required on /v1" if serve.api_key else "none (open)",
+           ", ".join(serve.cors_origins) or "none", ", ".join(serve.allowed_hosts) or "any")
   log.info("serving %s (%s, %d slots, %d device(s) on the model axis, %s weights)", name,
-           engine.mode, engine_config.slots, mesh.shape["model"], weights)
+           engine.mode, config.slots, mesh.shape["model"], weights)
   return Server(app, engine, name)
 
 
@@ -278,9 +272,6 @@ def _bind(host: str, port: int) -> socket.socket:
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
   return sock
-
-
-DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 class ServerThread:
@@ -323,23 +314,24 @@ def url_of(host: str, port: int) -> str:
   return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve_forever(build_server: Callable[[Startup], Server], host: str, port: int,
-                  shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
-  """Listen on ``host:port`` at once and print ``listening on http://HOST:PORT`` (the real port
-  when ``port`` is 0); meanwhile ``build_server(startup)`` (``build`` with ``startup=``) runs in
-  a background thread, ``/health`` answering 503 with its progress. Then serve until
-  SIGINT/SIGTERM, shut down gracefully, and stop the engine. A build that fails stops the
+def serve_forever(preset: Preset, serve: ServeConfig | None = None) -> None:
+  """Listen on ``serve.host:serve.port`` at once and print ``listening on http://HOST:PORT``
+  (the real port when it is 0); meanwhile ``build(preset, serve)`` runs in a background thread,
+  ``/health`` answering 503 with its progress. Then serve until SIGINT/SIGTERM, shut down
+  gracefully (``serve.shutdown_grace``), and stop the engine. A build that fails stops the
   listener and its error is raised here (the CLI prints it as one line)."""
+  serve = preset.serve if serve is None else serve
+  host, port = serve.host, serve.port
   sock = _bind(host, port)
   startup = Startup()
   announce = (f"listening on {url_of(host, sock.getsockname()[1])} (OpenAI API under /v1; "
               "/health answers 503 until the model is ready)")
-  uv = make_server(startup, log_level="info", grace=shutdown_grace, announce=announce)
+  uv = make_server(startup, log_level="info", grace=serve.shutdown_grace, announce=announce)
   outcome: dict = {}
 
   def build_in_background():
     try:
-      outcome["server"] = build_server(startup)
+      outcome["server"] = build(preset, serve, startup=startup)
       startup.ready(outcome["server"].app)
     except BaseException as e:  # reported by the main thread, after the listener closes
       outcome["error"] = e

@@ -56,12 +56,12 @@ def is_random(spec: str) -> bool:
 
 
 def load_base_model(spec: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                    sharding=None, scan_layers: bool = False,
-                    invariant: bool = False) -> tuple[Llama, LlamaConfig]:
+                    sharding=None, scan_layers: bool = False, invariant: bool = False,
+                    backend: str = "xla") -> tuple[Llama, LlamaConfig]:
   """The base LLM for a model spec (known name, path, or ``random:<spec>``), with activations
   in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``; "auto": the platform's faster
-  one, ``linear.resolve_param_dtype``); ``sharding``, ``scan_layers`` and ``invariant`` as for
-  ``load_llama``."""
+  one, ``linear.resolve_param_dtype``); ``sharding``, ``scan_layers``, ``invariant`` and the
+  attention ``backend`` as for ``load_llama``."""
   param_dtype = resolve_param_dtype(param_dtype, dtype)
   for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
     if value not in DTYPES:
@@ -69,10 +69,10 @@ def load_base_model(spec: str, *, dtype: str = "float32", param_dtype: str | Non
   kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype])
   if is_random(spec):
     cfg, seed, _ = _random_spec(spec)
-    model = Llama(cfg, **kinds, invariant=invariant, rngs=nnx.Rngs(seed))
+    model = Llama(cfg, **kinds, backend=backend, invariant=invariant, rngs=nnx.Rngs(seed))
     return (stack_layers(model) if scan_layers else model), cfg
   return load_llama(spec, **kinds, sharding=sharding, scan_layers=scan_layers,
-                    invariant=invariant)
+                    invariant=invariant, backend=backend)
 
 
 def load_base_tokenizer(spec: str):
