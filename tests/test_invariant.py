@@ -216,3 +216,37 @@ def test_server_engine_same_tokens(llm, alone, drafter):
   finally:
     engine.stop()
   assert differing(alone, [done[i] for i in range(len(PROMPTS))]) == []
+
+
+@pytest.mark.slow
+def test_invariant_bench_reports_and_goes_on_from_its_state(tmp_path, capsys):
+  """``bench invariant`` on a tiny random model: the report's table and summary; a second run
+  with the same ``--state`` reuses every kept run (a planted change in one shows up in the
+  report, so the comparison can fail); other settings with that state are one error line."""
+  import json
+
+  from redrafter_jax.bench.__main__ import main
+
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(4)))
+  state, out = tmp_path / "state.json", tmp_path / "report.md"
+  argv = ["invariant", "--model", "random:tiny", "--drafter", "random", "--prompts", str(prompts),
+          "--num-prompts", "2", "--max-new-tokens", "4", "--batch", "2", "--no-cost",
+          "--state", str(state), "--out", str(out)]
+  assert main(argv) == 0
+  assert "Invariant: every run equals AR batch 1 on 2/2 prompts" in out.read_text()
+  kept = json.loads(state.read_text())
+  assert sorted(kept["runs"]) == sorted(
+      ["invariant AR b1", "invariant AR b2", "invariant RD shipped b1", "invariant RD shipped b2",
+       "invariant RD 4x5 b1", "invariant RD 4x5 b2", "default AR b1", "default AR b2"])
+  first = kept["runs"]["invariant AR b2"][0]
+  kept["runs"]["invariant AR b2"][0] = first[:2] + [(first[2] + 1) % 256] + first[3:]
+  state.write_text(json.dumps(kept))
+  capsys.readouterr()
+  assert main(argv) == 0
+  report, err = out.read_text(), capsys.readouterr().err
+  assert "going on from" in err and "8 run(s)" in err and " prompts in " not in err
+  assert "| 0 |" in report and "differs at 2" in report
+  assert "every run equals AR batch 1 on 1/2 prompts (AR b2 1/2," in report
+  assert main([*argv[:-4], "--max-new-tokens", "5", "--state", str(state)]) == 2
+  assert "holds a run with other settings" in capsys.readouterr().err

@@ -17,14 +17,23 @@ control: its batch-4 differences are the batch-shape noise the invariant mode re
 Cost: milliseconds per new token (wall time of a call, prefill included, compile excluded by an
 untimed first call of every shape) of AR batch 1 and ReDrafter (shipped tree) batch 1, for the
 default and the invariant model, interleaved prompt by prompt in the same run, and their ratio.
+
+The whole run takes an hour or more on a 2-core CPU. ``--state FILE`` keeps every finished run
+and prompt there, and a run started again with the same settings goes on from them. Compiled
+programs are dropped after each run and each cost prompt (``jax.clear_caches``): each prompt
+length compiles its own programs, and XLA:CPU maps each one's code into memory, so keeping a few
+hundred of them exhausts the process's memory mappings (LLVM: "Cannot allocate memory").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import time
+
+import jax
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -44,6 +53,9 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--batch", type=int, default=4, help="the batched runs' batch size")
   p.add_argument("--no-cost", action="store_true", help="skip the timing of both modes")
   p.add_argument("--out", type=pathlib.Path, default=None, help="also write the report here")
+  p.add_argument("--state", type=pathlib.Path, default=None,
+                 help="keep finished runs here and go on from them when started again "
+                 "(e.g. runs/invariant-40x128.json)")
   o = p.parse_args(argv)
   for name in ("num_prompts", "max_new_tokens", "batch"):
     if getattr(o, name) < 1:
@@ -66,16 +78,46 @@ def trees(drafter_spec: str, max_new_tokens: int) -> dict:
   return {"RD shipped": shipped, "RD 4x5": whole}
 
 
-def batched(call, prompts: list, size: int, name: str = "") -> list[list[int]]:
-  """``call`` on ``prompts`` in batches of ``size``; each run's wall time goes to stderr (the
-  whole bench runs for an hour or more on a 2-core CPU)."""
-  t0, out = time.perf_counter(), []
-  for i in range(0, len(prompts), size):
-    out += call(prompts[i:i + size])
-  if name:
-    print(f"{name}: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
-          flush=True)
-  return out
+class State:
+  """Finished runs (``runs``: name -> tokens per prompt) and cost prompts (``costs``: one
+  {method/mode: ms per token} per prompt), kept in ``path`` (None: in memory only) for the
+  settings ``settings``; a file written for other settings is an error, not silently reused."""
+
+  def __init__(self, path: pathlib.Path | None, settings: dict):
+    self.path, self.settings = path, settings
+    self.runs, self.costs = {}, []
+    if path is not None and path.is_file():
+      data = json.loads(path.read_text())
+      if data.get("settings") != settings:
+        from redrafter_jax.errors import UserError
+
+        raise UserError(f"--state {path} holds a run with other settings "
+                         f"({data.get('settings')}); remove it or name another file")
+      self.runs, self.costs = data["runs"], data["costs"]
+      print(f"going on from {path}: {len(self.runs)} run(s), {len(self.costs)} cost prompt(s)",
+            file=sys.stderr, flush=True)
+
+  def save(self) -> None:
+    if self.path is not None:
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      tmp = self.path.with_suffix(".tmp")
+      tmp.write_text(json.dumps({"settings": self.settings, "runs": self.runs,
+                                 "costs": self.costs}))
+      tmp.replace(self.path)
+
+  def run(self, name: str, call, prompts: list, size: int) -> list[list[int]]:
+    """``call`` on ``prompts`` in batches of ``size`` (or the kept result); its wall time goes
+    to stderr."""
+    if name not in self.runs:
+      t0, out = time.perf_counter(), []
+      for i in range(0, len(prompts), size):
+        out += [list(map(int, row)) for row in call(prompts[i:i + size])]
+      jax.clear_caches()
+      print(f"{name}: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr, flush=True)
+      self.runs[name] = out
+      self.save()
+    return self.runs[name]
 
 
 def first_difference(ref: list[int], other: list[int]) -> int | None:
@@ -118,27 +160,32 @@ def run(o) -> str:
         for mode, m in models.items() for name, c in trees(o.drafter, N).items()}
 
   B = o.batch
-  runs = {"AR b1": batched(ar["inv"], prompts, 1, "invariant AR b1"),
-          f"AR b{B}": batched(ar["inv"], prompts, B, f"invariant AR b{B}")}
+  state = State(o.state, {"model": o.model, "drafter": o.drafter, "prompts": str(o.prompts),
+                          "num_prompts": o.num_prompts, "max_new_tokens": N, "batch": B})
+  runs = {"AR b1": state.run("invariant AR b1", ar["inv"], prompts, 1),
+          f"AR b{B}": state.run(f"invariant AR b{B}", ar["inv"], prompts, B)}
   for name in trees(o.drafter, N):
     call = lambda ps, r=rd[("inv", name)]: r(ps).tokens
-    runs[f"{name} b1"] = batched(call, prompts, 1, f"invariant {name} b1")
-    runs[f"{name} b{B}"] = batched(call, prompts, B, f"invariant {name} b{B}")
-  control = {"AR b1": batched(ar["default"], prompts, 1, "default AR b1"),
-             f"AR b{B}": batched(ar["default"], prompts, B, f"default AR b{B}")}
-  return report(o, prompts, runs, control, None if o.no_cost else cost(prompts, ar, rd))
+    runs[f"{name} b1"] = state.run(f"invariant {name} b1", call, prompts, 1)
+    runs[f"{name} b{B}"] = state.run(f"invariant {name} b{B}", call, prompts, B)
+  control = {"AR b1": state.run("default AR b1", ar["default"], prompts, 1),
+             f"AR b{B}": state.run(f"default AR b{B}", ar["default"], prompts, B)}
+  return report(o, prompts, runs, control, None if o.no_cost else cost(state, prompts, ar, rd))
 
 
-def cost(prompts, ar, rd) -> dict:
-  """ms per new token, per (method, mode), interleaved prompt by prompt."""
+def cost(state: State, prompts, ar, rd) -> dict:
+  """ms per new token, per (method, mode): the mean over prompts, each prompt timing every
+  method and mode in turn (interleaved, so that a change in the machine's load falls on all)."""
   calls = {("AR b1", mode): ar[mode] for mode in ("default", "inv")}
   calls.update({("RD shipped b1", mode): (lambda ps, r=rd[(mode, "RD shipped")]: r(ps).tokens)
                 for mode in ("default", "inv")})
-  totals = {key: 0.0 for key in calls}
-  for p in prompts:
-    for key, call in calls.items():
-      totals[key] += timed_per_token(call, [p]) / len(prompts)
-  return totals
+  for p in prompts[len(state.costs):]:
+    state.costs.append({f"{m}|{mode}": timed_per_token(call, [p])
+                        for (m, mode), call in calls.items()})
+    jax.clear_caches()
+    state.save()
+  return {key: sum(c[f"{key[0]}|{key[1]}"] for c in state.costs) / len(state.costs)
+          for key in calls}
 
 
 def report(o, prompts, runs: dict, control: dict, costs: dict | None) -> str:
