@@ -29,6 +29,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from redrafter_jax.config import ServeConfig
 from redrafter_jax.serving import protocol
 from redrafter_jax.serving.engine import Engine
 from redrafter_jax.serving.protocol import APIError
@@ -38,7 +39,7 @@ from redrafter_jax.weights import tokenizer as tokenizer_lib
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_BODY_BYTES = ServeConfig.max_body_bytes  # one default, the server settings'
 DISCONNECT_POLL_S = 0.5
 T = TypeVar("T")
 
