@@ -7,10 +7,10 @@ import pytest
 from redrafter_jax.bench import server_start
 
 
-@pytest.mark.slow  # two server start-ups with their warm-ups (~1-2 min)
+@pytest.mark.slow  # two server start-ups with their warm-ups and background compiles (~2-3 min)
 def test_cold_then_warm_start(tmp_path, capsys):
   out = tmp_path / "start.md"
-  rc = server_start.main(["--config", "configs/tiny.yaml", "--out", str(out), "--",
+  rc = server_start.main(["--config", "configs/tiny.yaml", "--out", str(out), "--settle", "--",
                           "--random-drafter", "--devices", "1", "--slots", "2",
                           "--max-tokens", "16", "--max-context", "128"])
   assert rc == 0, capsys.readouterr().err[-3000:]
@@ -20,6 +20,9 @@ def test_cold_then_warm_start(tmp_path, capsys):
     assert r["error"] is None and r["exit_status"] == 0
     assert 0 < r["listening_s"] <= r["ready_s"]
     assert r["rss_mb"] > 0 and r["peak_rss_mb"] >= r["rss_mb"]
+    # ready on the covering programs; --settle waited for the background compile of the rest
+    assert r["settled_s"] >= r["ready_s"] and r["settled_rss_mb"] > 0
+    assert r["settled_programs"] > r["warmup_programs"]
   assert runs[0]["warmup_programs"] and runs[0]["warmup_programs"] > 0
   text = out.read_text()
   assert "| 1 | cold |" in text and "| 2 | warm |" in text

@@ -632,6 +632,59 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
   assert got == [expected(reference[i], 4) for i in greedy]
 
 
+def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
+    llm, tok, random_drafter, reference):
+  """``warmup(background=True)`` compiles only the covering set (the largest prompt bucket for
+  one prompt; each mode's step over all slots at the largest context); requests of every
+  bucket are served on it at once, padded, with the same greedy tokens and no compile on the
+  engine thread. The background thread then compiles the rest, and between requests the engine
+  times each finished step group and takes it into use (smaller rows and contexts)."""
+  cfg = dataclasses.replace(ECFG, max_context=64)
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  place = engine._place
+  engine.warmup(background=True)
+  cover = place.cover_programs()
+  assert cover == [("admit", 64, 1), ("step", 4, "ar", 64), ("step", 4, "spec", 64)]
+  assert place.compiled_programs() == 3
+  everything = set(place.admission_programs() + place.step_programs())
+  assert set(place.rest_programs()) == everything - set(cover)
+  assert place.rest_programs()[:2] == [("admit", 16, 1), ("admit", 32, 1)]  # short prompts first
+  assert engine._usable == {(4, 64)}
+  compiles = []
+  compile_ = place.compile
+  place.compile = lambda key: compiles.append((threading.current_thread().name, key)) or (
+      compile_(key))
+  greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
+  engine._pending, pending = [], engine._pending  # serve on the cover alone first
+  engine.start()
+  try:
+    got = [engine.generate(GenerationRequest(PROMPTS[i], max_tokens=4)).token_ids
+           for i in greedy]
+    assert compiles == [] and place.compiled_programs() == 3
+    assert set(engine.step_counts) <= {(4, "ar"), (4, "spec")}
+    engine._pending = pending
+    engine._compiler = threading.Thread(target=engine._compile_rest)
+    engine._compiler.start()
+    engine._compiler.join(300)
+    assert engine.compile_progress() == {"done": len(pending), "total": len(pending),
+                                         "running": False}
+    assert {name for name, _ in compiles} != {"redrafter-engine"}
+    assert place.compiled_programs() == len(everything)
+    deadline = time.monotonic() + 60
+    while len(engine._usable) < 6 and time.monotonic() < deadline:  # adopted between requests
+      time.sleep(0.05)
+    assert engine._usable == {(b, c) for b in (1, 2, 4) for c in (32, 64)}
+    assert set(engine.costs.warm) == {(b, m, "greedy", c) for b in (1, 2, 4)
+                                      for m in ("ar", "spec") for c in (32, 64)}
+    again = [engine.generate(GenerationRequest(PROMPTS[i], max_tokens=4)).token_ids
+             for i in greedy]
+    assert engine.context_counts[32] > 0  # a smaller context, adopted
+  finally:
+    engine.stop()
+  want = [expected(reference[i], 4) for i in greedy]
+  assert got == want and again == want
+
+
 def test_warmup_stops_before_running_out_of_memory_mappings():
   """``MappingBudget``: each compile's growth in memory mappings is measured, and the warm-up
   stops with a ConfigError naming the limit and what to change once the programs left would

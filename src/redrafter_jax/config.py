@@ -472,7 +472,11 @@ class ServeConfig:
   tree: str = "auto"
   trees: tuple[str, ...] = ()  # smaller trees the policy may run instead (``WxL[+n][/N]``)
   devices: int | None = None  # devices on the model axis (None: all local ones)
-  warmup: bool = True  # compile every prompt bucket and step mode before serving
+  # Compile before serving: a covering set of programs (ready sooner; the rest compile in the
+  # background), or with warmup_all every prompt bucket and step mode; False: none (each
+  # program compiles when first needed).
+  warmup: bool = True
+  warmup_all: bool = False
   compile_cache: str | None = None  # compiled-program cache folder (None: the default; "off")
   # HTTP.
   host: str = "127.0.0.1"
@@ -493,7 +497,7 @@ class ServeConfig:
       _int_at_least(self, name, 1, none_ok=True)
     if self.port > 65535:
       raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-    for name in ("speculative", "random_drafter", "warmup"):
+    for name in ("speculative", "random_drafter", "warmup", "warmup_all"):
       if not isinstance(getattr(self, name), bool):
         raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
     if self.tree not in ("auto", "preset"):

@@ -6,7 +6,8 @@ the first, cold, run; the same folder, now filled, for the warm runs after it), 
 from the moment the process starts until it answers 200, then stops it with SIGTERM. Reported
 per run: seconds until the port answered, seconds until ready, the warm-up's program count (from
 the 503 progress bodies), the resident memory at ready and its peak (``VmRSS``, ``VmHWM`` from
-``/proc``), and the exit status. The drafter's per-device tree timing (``--tree auto``) has its
+``/proc``), and the exit status; with ``--settle``, also the seconds until the background
+compile (the programs a covering warm-up leaves for later) is done, and the memory then. The drafter's per-device tree timing (``--tree auto``) has its
 own cache beside the model; the table says whether it was already there. With ``--out``, each
 run's server log (its start-up stages and every warm-up program's seconds; the ``/health`` polls
 left out) is kept beside the table as ``<name>-run<i>.log``.
@@ -33,6 +34,9 @@ def parse_args(argv):
   p.add_argument("--warm-runs", type=int, default=1, help="runs after the cold one")
   p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for ready")
   p.add_argument("--out", type=pathlib.Path, help="also write the table here (and a .json)")
+  p.add_argument("--settle", action="store_true",
+                 help="after ready, also wait for the background compile to finish (/health's "
+                      "'compiling') and report its seconds and the memory then")
   p.add_argument("serve_args", nargs="*", metavar="ARG",
                  help="more `serve` arguments, after --, e.g. -- --slots 4 --ar")
   args = p.parse_args(argv)
@@ -73,7 +77,8 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
   with open(log_path, "w") as log:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
   out = dict(command=" ".join(cmd[1:]), listening_s=None, ready_s=None, warmup_programs=None,
-             rss_mb=None, peak_rss_mb=None, exit_status=None, error=None)
+             rss_mb=None, peak_rss_mb=None, settled_s=None, settled_programs=None,
+             settled_rss_mb=None, exit_status=None, error=None)
   try:
     while time.monotonic() - t0 < args.timeout:
       if proc.poll() is not None:
@@ -87,10 +92,21 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
       if out["listening_s"] is None:
         out["listening_s"] = time.monotonic() - t0
       if r.status_code == 200:
-        out["ready_s"] = time.monotonic() - t0
-        mem = memory_kb(proc.pid)
-        out["rss_mb"], out["peak_rss_mb"] = mem.get("VmRSS", 0) / 1024, mem.get("VmHWM", 0) / 1024
-        break
+        if out["ready_s"] is None:
+          out["ready_s"] = time.monotonic() - t0
+          mem = memory_kb(proc.pid)
+          out["rss_mb"] = mem.get("VmRSS", 0) / 1024
+          out["peak_rss_mb"] = mem.get("VmHWM", 0) / 1024
+        compiling = r.json().get("compiling")
+        if not args.settle or not compiling or not compiling["running"]:
+          if args.settle:
+            out["settled_s"] = time.monotonic() - t0
+            out["settled_programs"] = (out["warmup_programs"] or 0) + (
+                compiling["done"] if compiling else 0)
+            out["settled_rss_mb"] = memory_kb(proc.pid).get("VmRSS", 0) / 1024
+          break
+        time.sleep(1.0)
+        continue
       body = r.json()
       if body.get("status") == "failed":
         out["error"] = body.get("error")
@@ -116,16 +132,20 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
   fmt = lambda v, f="{:.1f}": "n/a" if v is None else f.format(v)
   lines = [f"# Server start-up ({time.strftime('%Y-%m-%d')})", "",
            f"`python -m redrafter_jax.bench server_start --config {args.config}"
+           + (" --settle" if args.settle else "")
            + (f" -- {' '.join(args.serve_args)}" if args.serve_args else "") + "`", "",
            f"{os.cpu_count()} CPUs; the tree timings of `--tree auto` were "
            f"{'already cached' if trees_cached else 'not cached (the first run timed them)'}.",
            "", "| run | compile cache | port answers (s) | ready (s) | warm-up programs "
-           "| RSS at ready (MB) | peak RSS (MB) | exit | error |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+           "| RSS at ready (MB) | peak RSS (MB) | all compiled (s) | programs then | RSS then (MB) "
+           "| exit | error |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for i, r in enumerate(runs):
     lines.append(f"| {i + 1} | {'cold' if i == 0 else 'warm'} | {fmt(r['listening_s'])} "
                  f"| {fmt(r['ready_s'])} | {fmt(r['warmup_programs'], '{}')} "
                  f"| {fmt(r['rss_mb'], '{:.0f}')} | {fmt(r['peak_rss_mb'], '{:.0f}')} "
+                 f"| {fmt(r.get('settled_s'))} | {fmt(r.get('settled_programs'), '{}')} "
+                 f"| {fmt(r.get('settled_rss_mb'), '{:.0f}')} "
                  f"| {fmt(r['exit_status'], '{}')} | {r['error'] or ''} |")
   return "\n".join(lines) + "\n"
 

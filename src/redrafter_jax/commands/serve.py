@@ -96,8 +96,13 @@ def add_arguments(p):
                       "serve.compile_cache, else xla/ in the model cache folder, "
                       "$REDRAFTER_JAX_CACHE or ~/.cache/redrafter_jax)")
   p.add_argument("--no-warmup", dest="warmup", action="store_const", const=False, default=None,
-                 help="skip compiling every prompt bucket and step mode before accepting "
-                      "requests (the first request of each kind then waits for a compile)")
+                 help="compile nothing before accepting requests (the first request of each "
+                      "kind then waits for a compile) (default: compile a covering set of "
+                      "programs, ready sooner, and the rest in the background)")
+  p.add_argument("--warmup-all", dest="warmup_all", action="store_const", const=True,
+                 default=None, help="compile every prompt bucket and step mode before "
+                                    "accepting requests (default: the preset's "
+                                    "serve.warmup_all, else off)")
 
 
 def serve_config(args, preset):

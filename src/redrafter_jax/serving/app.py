@@ -85,6 +85,9 @@ async def health(request: Request):
   body = {"status": status, "mode": engine.mode,
           "slots": engine.config.slots, "active_slots": engine.active_slots(),
           "queue_length": engine.queue_length()}
+  compiling = engine.compile_progress()
+  if compiling["total"]:  # a covering warm-up: the rest of the programs compile meanwhile
+    body["compiling"] = compiling
   return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 

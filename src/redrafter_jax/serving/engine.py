@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -42,7 +43,7 @@ from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import policy as policy_lib
 from redrafter_jax.serving.metrics import ServingMetrics
-from redrafter_jax.serving.placement import Placement
+from redrafter_jax.serving.placement import MappingBudget, Placement
 from redrafter_jax.serving.request import (Delta, EngineStopped, Event, Failed, Finished,
                                            GenerationRequest, QueueFull, RequestError, validate)
 from redrafter_jax.serving.textstream import TextStream, decoder_for
@@ -167,6 +168,16 @@ def tree_mode(text: str) -> str:
   return f"spec:{Beams.parse_list(text)[0].text}"
 
 
+def _rss() -> str:
+  """", RSS x.x GB": this process's resident memory, for the compile logs (Linux only)."""
+  try:
+    with open("/proc/self/statm") as f:
+      pages = int(f.read().split()[1])
+    return f", RSS {pages * os.sysconf('SC_PAGE_SIZE') / 1e9:.2f} GB"
+  except (OSError, ValueError, IndexError):
+    return ""
+
+
 def _fault_message(e: BaseException) -> str:
   return f"internal error while generating: {type(e).__name__}: {e}"
 
@@ -266,6 +277,11 @@ class Engine:
     self.step_counts: collections.Counter = collections.Counter()  # steps by (rows, mode)
     self.context_counts: collections.Counter = collections.Counter()  # steps by context read
     self.error: BaseException | None = None  # set if the loop itself died
+    # (rows bucket, context) groups the policy may step with: all (None) until a warm-up
+    # compiles some; then those compiled and timed (``_adopt_compiled`` adds to them).
+    self._usable: set[tuple[int, int]] | None = None
+    self._pending: list[tuple] = []  # programs the background compile works through
+    self._compiler: threading.Thread | None = None
 
   # ------------------------------------------------------------------ public API (any thread)
 
@@ -273,47 +289,126 @@ class Engine:
   def mode(self) -> str:
     return "redrafter" if self.config.speculative else "ar"
 
-  def warmup(self, progress=None) -> float:
-    """Compile every prompt bucket and step mode now (before ``start``), so no request waits
-    for a compile on the engine thread; returns the seconds it took. Each program's first run
-    is logged with its seconds; ``progress(done, total, what, seconds)`` also hears of it (the
-    server's start-up: ``startup.Startup.warmup``)."""
+  def warmup(self, progress=None, *, background: bool = False) -> float:
+    """Compile the programs serving meets now (before ``start``) and time the steps for the
+    policy; returns the seconds it took. ``background``: compile only a covering set now
+    (``Placement.cover_programs``: any request can be served, padded to larger programs) and
+    the rest on a background thread from ``start`` on, each group of steps taken into use once
+    compiled and timed (``_adopt_compiled``); otherwise everything now, so no request ever
+    waits for a compile. Each program's compile is logged with its seconds; ``progress(done,
+    total, what, seconds)`` also hears of it (the server's start-up: ``lifecycle.Startup``)."""
     if self._thread is not None:
       raise RuntimeError("warmup() runs before start(): only the engine thread touches JAX then")
     t0 = time.perf_counter()
-    # Only greedy batches switch modes unless ``adaptive_sampled``: time the other kinds then.
-    kinds = policy_lib.KINDS if self.config.adaptive_sampled else ("greedy",)
+    place = self._place
     def each(done: int, total: int, what: str, seconds: float) -> None:
-      log.info("warm-up %d/%d: %s in %.2f s", done, total, what, seconds)
+      log.info("warm-up %d/%d: %s in %.2f s%s", done, total, what, seconds, _rss())
       if progress is not None:
         progress(done, total, what, seconds)
 
-    costs = self._place.warmup(kinds=kinds, progress=each)
+    keys = place.cover_programs() if background else None
+    costs = place.warmup(kinds=self._timed_kinds(), progress=each, keys=keys)
+    self._usable = {(b, c) for b, _, _, c in costs}
+    if background:
+      self._pending = place.rest_programs()
+      place.compile_on_demand = False  # admissions run on compiled covers meanwhile
     if self.config.adaptive:
       self.costs = policy_lib.StepCosts(costs)
     seconds = time.perf_counter() - t0
-    log.info("warm-up: compiled %d admissions (prompt buckets x rows) and steps for %s rows x "
-             "modes %s x contexts %s (then timed each for sampling kinds %s) in %.1f s",
-             sum(len(self._place.admission_rows(T)) for T in self._place.buckets()),
-             self._place.row_buckets(), self._place.modes(), self._place.context_buckets(),
-             kinds, seconds)
+    log.info("warm-up: compiled %d programs in %.1f s%s%s", place.compiled_programs(), seconds,
+             f"; {len(self._pending)} more to compile in the background" if background else "",
+             _rss())
     log.info("step seconds (rows, mode, kind, context): %s",
              ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))
     return seconds
+
+  def _timed_kinds(self) -> tuple[str, ...]:
+    # Only greedy batches switch modes unless ``adaptive_sampled``: time the other kinds then.
+    return policy_lib.KINDS if self.config.adaptive_sampled else ("greedy",)
 
   def start(self) -> "Engine":
     if self._thread is None:
       self._thread = threading.Thread(target=self._loop, name="redrafter-engine", daemon=True)
       self._thread.start()
+      if self._pending:
+        self._compiler = threading.Thread(target=self._compile_rest, name="redrafter-compile",
+                                          daemon=True)
+        self._compiler.start()
     return self
 
+  def compile_progress(self) -> dict:
+    """The background compile's progress: programs compiled of those it has, and whether it
+    is still running (``warmup(background=True)``)."""
+    done = sum(self._place.compiled(key) for key in self._pending)
+    running = self._compiler is not None and self._compiler.is_alive()
+    return {"done": done, "total": len(self._pending), "running": running}
+
+  def _compile_rest(self) -> None:
+    """The background thread: compile ``_pending`` in order (at a lower CPU priority where
+    the OS allows, so the engine's own steps come first), until done, stopped, or the memory
+    mappings would run out (``MappingBudget``: the server goes on with what it has)."""
+    try:
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread, on Linux
+    except (AttributeError, OSError):
+      pass
+    budget = MappingBudget(len(self._pending))
+    for done, key in enumerate(self._pending, 1):
+      if self._stopping.is_set():
+        return
+      try:
+        budget.check()
+        seconds = self._place.compile(key)
+      except ConfigError as e:
+        log.warning("background compile stopped: %s", e)
+        return
+      except Exception:  # the server keeps serving on the programs it has
+        log.exception("background compile of %s failed", self._place.program_name(key))
+        return
+      log.info("background compile %d/%d: %s in %.2f s%s", done, len(self._pending),
+               self._place.program_name(key), seconds, _rss())
+
+  def _adopt_compiled(self) -> None:
+    """Between requests (no slot held): take into use each row/context group whose steps
+    (all modes) the background thread has compiled since, timing them first for the policy."""
+    place = self._place
+    new = [(b, c) for b in place.row_buckets() for c in place.context_buckets()
+           if (b, c) not in self._usable
+           and all(place.compiled(("step", b, m, c)) for m in place.modes())]
+    if not new:
+      return
+    if self.costs is not None:
+      self.costs.warm.update(place.time_steps(
+          [("step", b, m, c) for b, c in new for m in place.modes()], kinds=self._timed_kinds()))
+    self._usable.update(new)
+    log.info("steps for (rows, context) %s now in use", sorted(new))
+
+  def _step_groups(self, rows: int, need: int) -> tuple[int, list[int]]:
+    """The smallest context bucket holding ``need`` tokens with a usable step group for
+    ``rows`` live rows, and the row buckets usable there (every one until a warm-up says)."""
+    buckets = self._place.row_buckets()
+    for c in self._place.context_buckets():
+      if c < need:
+        continue
+      fits = [b for b in buckets if b >= rows and (self._usable is None or (b, c) in self._usable)]
+      if fits:
+        return c, fits
+    raise RuntimeError(f"no usable step for {rows} rows at context {need}")
+
   def stop(self, timeout: float = 30.0) -> None:
+    """Stop the engine thread (waiting up to ``timeout`` seconds), then the background compile
+    once its program in progress is compiled: a process that exits during an XLA compile on
+    another thread aborts."""
     self._stopping.set()
     if self._thread is not None:
       self._thread.join(timeout)
       self._thread = None
       if self.step_counts:
         log.info("%s", self.served_summary())
+    if self._compiler is not None:
+      if self._compiler.is_alive():
+        log.info("waiting for the background compile's program in progress")
+      self._compiler.join()
+      self._compiler = None
 
   def served_summary(self) -> str:
     """What the policy did: steps served by (rows bucket, mode), the acceptance observed, and
@@ -415,6 +510,8 @@ class Engine:
           self._deliver_firsts()
           pending = ahead
           if pending is None and not self._firsts:
+            if self._pending and not self.active_slots():
+              self._adopt_compiled()
             self._wait_for_work()
         except Exception as e:  # a failed step must not take the server down
           log.exception("engine step failed; failing the active requests")
@@ -534,13 +631,13 @@ class Engine:
     need = max(len(self._slots[slot].handle.request.prompt_ids) +
                self._slots[slot].handle.max_tokens + self.config.scratch for slot in live)
     need = min(need, self.config.max_context)
-    context = next(w for w in self._place.context_buckets() if w >= need)
+    context, buckets = self._step_groups(len(live), need)
     costs = None
     if self.costs is not None and (greedy or self.config.adaptive_sampled):
       costs = self.costs.table(kind, context)
     tokens_per_step = policy_lib.tokens_per_step(self.acceptance)
     b, mode = policy_lib.plan(len(live), kind, costs, tokens_per_step, self._place.modes(),
-                              self._place.row_buckets())
+                              buckets)
     if costs:
       mode = policy_lib.explore(b, mode, kind, context, self.costs, self._place.modes(),
                                 self.config.explore_every, tokens_per_step=tokens_per_step,

@@ -7,13 +7,22 @@ no-op. Each call is jitted once per static shape (admission: prompt bucket and r
 mode and context) with the batch donated, so the batch never leaves the devices; only
 ``StepOut`` and the first tokens come back. The sampling kind (greedy, sampled, top-k/top-p) is
 a run-time argument of one program, so the heavy forward passes compile once per shape.
+
+Programs are compiled ahead of time (``compile``: lowered from the arrays' shapes, so another
+thread can compile while the engine serves) and kept by key: ``("admit", bucket, rows)`` and
+``("step", rows, mode, context)``. An admission runs on the cheapest compiled program that
+covers it (a larger bucket or more rows only pad), so a server can start serving once a
+*covering* set is compiled (``cover_programs``) and compile the rest (``rest_programs``) in the
+background; a program nothing covers is compiled when first needed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import re
+import threading
 import time
 from typing import Sequence
 
@@ -60,6 +69,17 @@ def memory_mappings() -> tuple[int, int] | None:
       return held, int(f.read())
   except (OSError, ValueError):
     return None
+
+
+def release_free_memory() -> None:
+  """Hand the memory the C allocator holds free back to the OS (glibc's ``malloc_trim``; a
+  no-op elsewhere). XLA:CPU's compiles and runs free what they used, but glibc keeps it in
+  per-thread arenas, so a server compiling on one thread while its engine runs on another
+  grows with every program it takes into use (measured in results/, 2026-11-27)."""
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
 
 
 class MappingBudget:
@@ -154,11 +174,16 @@ class Placement:
     self._options = compiler_options(llm.invariant)
     self._new_batch = jax.jit(self._empty, out_shardings=self._batch_sharding)
     self.batch = self._new_batch()
+    self._batch_shapes = self._shape(self.batch)  # every batch alike: ``compile`` lowers from it
     self.stop_ids = jax.device_put(jnp.asarray(list(stop_ids) or [-1], jnp.int32), repl)
     self._out = (self._batch_sharding, repl)
-    self._admit_fn = None
-    self._step_fns: dict[tuple[int, str], object] = {}
-    self._seen: set[tuple[int, int]] = set()  # (rows, bucket) admitted so far
+    self._repl = repl
+    # Compiled programs by key (``program_name``); ``compile`` adds to it from any thread.
+    self._programs: dict[tuple, object] = {}
+    self._lock = threading.Lock()
+    # True: an admission runs on its bucket's own program, compiled when first needed. False
+    # (while a background compile fills in the programs): on the cheapest compiled cover.
+    self.compile_on_demand = True
 
   def _shardings(self, abstract_batch, num_kv_heads: int, axis: int):
     """Shardings of a slot batch: KV caches split over kv heads (array axis ``axis``) when
@@ -181,57 +206,108 @@ class Placement:
     return sorted({prompt_bucket(n, cfg.min_bucket, cfg.max_context)
                    for n in range(1, longest + 1)})
 
+  def admission_programs(self) -> list[tuple]:
+    """Every admission program: each prompt bucket at each of its admission row counts."""
+    return [("admit", T, k) for T in self.buckets() for k in self.admission_rows(T)]
+
+  def step_programs(self) -> list[tuple]:
+    """Every step program: each row bucket, mode and context bucket."""
+    return [("step", b, mode, c) for b in self.row_buckets() for mode in self.modes()
+            for c in self.context_buckets()]
+
+  def cover_programs(self) -> list[tuple]:
+    """The fewest programs that serve any request: one prompt of the largest bucket (every
+    prompt pads into it, and a burst is admitted one prompt per call) and each mode's step
+    over all slots at the largest context (it holds any rows and any context)."""
+    cfg = self.config
+    return [("admit", max(self.buckets()), 1)] + [
+        ("step", cfg.slots, mode, max(self.context_buckets())) for mode in self.modes()]
+
+  def rest_programs(self) -> list[tuple]:
+    """The programs ``cover_programs`` leaves out, in the order they pay once compiled:
+    single-prompt admissions by bucket (a short prompt no longer pads to the largest), then
+    the steps by context and row bucket (all modes of one together, as the policy compares
+    them), then the admissions of several prompts (bursts)."""
+    cover = set(self.cover_programs())
+    admit = [key for key in self.admission_programs() if key not in cover]
+    steps = sorted((key for key in self.step_programs() if key not in cover),
+                   key=lambda key: (key[3], key[1], self.modes().index(key[2])))
+    return [key for key in admit if key[2] == 1] + steps + [key for key in admit if key[2] > 1]
+
+  @staticmethod
+  def program_name(key: tuple) -> str:
+    if key[0] == "admit":
+      return f"admission of {key[2]} prompt(s) of {key[1]} tokens"
+    return f"{key[2]} step, {key[1]} rows, context {key[3]}"
+
+  def compiled(self, key: tuple) -> bool:
+    return key in self._programs
+
+  def compile(self, key: tuple) -> float:
+    """Compile the program ``key`` (a no-op when it is compiled) from the arrays' shapes, not
+    their values, so any thread may call it while the engine serves; returns its seconds."""
+    if key in self._programs:
+      return 0.0
+    t0 = time.perf_counter()
+    if key[0] == "admit":
+      fn, args = self._admit_jit(), self._admit_shapes(key[1], key[2])
+    else:
+      fn, args = self._step_jit(*key[1:]), self._step_shapes(key[1])
+    compiled = fn.lower(*args).compile()
+    with self._lock:
+      self._programs.setdefault(key, compiled)
+    release_free_memory()  # what the compiler used
+    return time.perf_counter() - t0
+
   def warmup(self, timed_runs: int = 5, kinds: Sequence[str] = policy_lib.KINDS,
-             progress=None) -> dict[tuple[int, str, str, int], float]:
-    """Compile every program the server can meet by running each once: the prefill of each
-    prompt bucket and admission row count, and the step for each row bucket, mode and context
-    bucket; one program serves every sampling kind (greedy, sampled, filtered). Then each step
-    is timed for each sampling kind in ``kinds`` (the median of ``timed_runs``) at each context
-    bucket, as a tree's cost relative to an AR step's changes with the context read; returns
-    those seconds by (rows, mode, kind, context), the cost table of ``policy.plan``. Then a
-    fresh batch: serving never compiles. ``progress(done, total, what, seconds)``: called after
-    each program's first run (its compile, or its load from the compilation cache)."""
-    programs = [(b, mode, c) for b in self.row_buckets() for mode in self.modes()
-                for c in self.context_buckets()]
-    admissions = [(T, k) for T in self.buckets() for k in self.admission_rows(T)]
-    first_runs = [(f"admission of {k} prompt(s) of {T} tokens",
-                   lambda T=T, k=k: self.admit([self.admission(slot, [0] * T, 0, 0.0, 1.0, 0, 1)
-                                                for slot in range(k)]))
-                  for T, k in admissions]
-    first_runs += [(f"{mode} step, {b} rows, context {c}",
-                    lambda b=b, mode=mode, c=c: self.step(list(range(b)), [False] * b, False,
-                                                          True, mode, c))
-                   for b, mode, c in programs]
-    budget = MappingBudget(len(first_runs))
-    for done, (what, run) in enumerate(first_runs, 1):  # compile
+             progress=None, keys: Sequence[tuple] | None = None
+             ) -> dict[tuple[int, str, str, int], float]:
+    """Compile ``keys`` (default: every program the server can meet, ``admission_programs``
+    and ``step_programs``), then time their steps (``time_steps``); returns those seconds, the
+    cost table of ``policy.plan``. ``progress(done, total, what, seconds)``: called after each
+    compile (or load from the compilation cache)."""
+    keys = list(keys if keys is not None else self.admission_programs() + self.step_programs())
+    budget = MappingBudget(len(keys))
+    for done, key in enumerate(keys, 1):
       budget.check()
-      t0 = time.perf_counter()
-      jax.block_until_ready(run())
+      seconds = self.compile(key)
       if progress is not None:
-        progress(done, len(first_runs), what, time.perf_counter() - t0)
-    times = {(b, mode, kind, c): [] for b, mode, c in programs for kind in kinds}
+        progress(done, len(keys), self.program_name(key), seconds)
+    return self.time_steps([key for key in keys if key[0] == "step"], timed_runs, kinds)
+
+  def time_steps(self, keys: Sequence[tuple], timed_runs: int = 5,
+                 kinds: Sequence[str] = policy_lib.KINDS
+                 ) -> dict[tuple[int, str, str, int], float]:
+    """Seconds of each compiled step ``("step", rows, mode, context)`` for each sampling kind in
+    ``kinds`` (the median of ``timed_runs``), by (rows, mode, kind, context): a tree's cost
+    relative to an AR step's changes with the rows and the context read. Runs on the slot
+    batch, then starts a fresh one: call it while no slot holds a request."""
+    times = {(b, mode, kind, c): [] for _, b, mode, c in keys for kind in kinds}
     for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
       for b, mode, kind, c in times:
         t0 = time.perf_counter()
         jax.block_until_ready(self.step(list(range(b)), [False] * b, kind == "filtered",
                                         kind == "greedy", mode, c))
         times[b, mode, kind, c].append(time.perf_counter() - t0)
-    seconds = {key: float(np.median(t)) for key, t in times.items()}
     self.reset()
-    return seconds
+    return {key: float(np.median(t)) for key, t in times.items()}
 
   def compiled_programs(self) -> int:
-    """How many programs the jitted calls hold (grows when something compiles)."""
-    fns = [self._admit_fn] * (self._admit_fn is not None) + list(self._step_fns.values())
-    return sum(fn._cache_size() for fn in fns)
+    """How many programs are compiled (grows when something compiles)."""
+    return len(self._programs)
 
   def batch_intact(self) -> bool:
     """False once a failed call has consumed (donated) the batch's buffers."""
     return not any(x.is_deleted() for x in jax.tree.leaves(self.batch))
 
   def reset(self) -> None:
-    """A fresh batch (all slots free), e.g. after a failed step left donated buffers behind."""
+    """A fresh batch (all slots free), e.g. after a failed step left donated buffers behind.
+    The old one's buffers are freed first, so the two never take memory at once."""
+    for x in jax.tree.leaves(self.batch):
+      if not x.is_deleted():
+        x.delete()
     self.batch = self._new_batch()
+    release_free_memory()
 
   def admission(self, slot: int, prompt: Sequence[int], seed: int, temperature: float,
                 top_p: float, top_k: int, max_tokens: int) -> Admission:
@@ -255,48 +331,91 @@ class Placement:
     """The row counts an admission call at ``bucket`` runs with (each a compiled program)."""
     return [b for b in self.row_buckets() if b <= self.prefill_rows(bucket)]
 
+  def admission_cover(self, bucket: int, rows: int) -> tuple | None:
+    """The compiled admission program with the fewest padded tokens that takes ``rows``
+    prompts of ``bucket`` (a bucket and a row count at least theirs), or None."""
+    fits = [key for key in list(self._programs)
+            if key[0] == "admit" and key[1] >= bucket and key[2] >= rows]
+    return min(fits, key=lambda key: (key[1] * key[2], key[1]), default=None)
+
+  def admission_capacity(self, bucket: int) -> int:
+    """The most prompts of ``bucket`` one admission call takes now: ``prefill_rows``, or
+    without ``compile_on_demand`` the most that a compiled program covering it takes."""
+    most = self.prefill_rows(bucket)
+    if self.compile_on_demand or self.compiled(("admit", bucket, most)):
+      return most
+    covers = [key[2] for key in list(self._programs) if key[0] == "admit" and key[1] >= bucket]
+    return min(max(covers), most) if covers else most
+
   def group(self, admissions: Sequence[Admission]) -> list[list[Admission]]:
     """Admission calls for ``admissions``: one length bucket per call (in the order buckets
-    first appear), at most ``prefill_rows`` requests each."""
+    first appear), at most ``admission_capacity`` requests each."""
     by_bucket: dict[int, list[Admission]] = {}
     for a in admissions:
       by_bucket.setdefault(a.bucket, []).append(a)
-    return [same[i:i + self.prefill_rows(T)] for T, same in by_bucket.items()
-            for i in range(0, len(same), self.prefill_rows(T))]
+    return [same[i:i + cap] for T, same in by_bucket.items()
+            for cap in [self.admission_capacity(T)] for i in range(0, len(same), cap)]
 
   def admit(self, admissions: Sequence[Admission]) -> jax.Array:
     """Dispatch one prefill of ``admissions`` (one ``group``: same bucket, at most
     ``prefill_rows``) into their slots; returns their first tokens (device ``[k]``, padding
-    rows past ``len(admissions)``) without waiting for them."""
+    rows past ``len(admissions)``) without waiting for them. Runs on the bucket's own program
+    (compiled first if need be) or, without ``compile_on_demand``, on ``admission_cover``'s."""
     T = admissions[0].bucket
     n = len(admissions)
     if any(a.bucket != T for a in admissions) or not 1 <= n <= self.prefill_rows(T):
       raise ValueError(f"an admission call takes 1 to {self.prefill_rows(T)} prompts of one "
                        f"bucket, got {n} of buckets {sorted({a.bucket for a in admissions})}")
-    if self._admit_fn is None:
-      llm_def = self._llm_def
-
-      def admit(llm_state, batch, *args):
-        return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args)
-
-      self._admit_fn = jax.jit(admit, donate_argnums=(1,), out_shardings=self._out,
-                               compiler_options=self._options)
-    k = policy_lib.bucket_for(n, self.admission_rows(T))
-    if (k, T) not in self._seen:
-      self._seen.add((k, T))
-      log.info("first admission of %d prompts of bucket %d: compiling its prefill", k, T)
+    key = None if self.compile_on_demand else self.admission_cover(T, n)
+    if key is None:
+      key = ("admit", T, policy_lib.bucket_for(n, self.admission_rows(T)))
+    if key not in self._programs:
+      log.info("first admission of %d prompts of bucket %d: compiling its prefill", key[2], T)
+      self.compile(key)
+    _, T, k = key
     rows = list(admissions) + [admissions[0]] * (k - n)  # padding: prefilled, written nowhere
     tokens_kT = np.zeros((k, T), np.int32)
     for i, a in enumerate(rows):
       tokens_kT[i, :len(a.tokens)] = a.tokens
     field = lambda name: np.stack([getattr(a, name) for a in rows])
     slots_k = np.asarray([a.slot for a in admissions] + [self.config.slots] * (k - n), np.int32)
-    self.batch, first_k = self._admit_fn(
+    self.batch, first_k = self._programs[key](
         self.llm_state, self.batch, slots_k, tokens_kT,
         np.asarray([len(a.tokens) for a in rows], np.int32), field("seed_lo"), field("seed_hi"),
         field("temperature"), field("top_p"), field("top_k"), field("limit"), self.stop_ids,
         field("filtered"))
     return first_k
+
+  def _admit_jit(self):
+    llm_def = self._llm_def
+
+    def admit(llm_state, batch, *args):
+      return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args)
+
+    return jax.jit(admit, donate_argnums=(1,), out_shardings=self._out,
+                   compiler_options=self._options)
+
+  def _shape(self, tree):
+    """Shapes, dtypes and shardings of device arrays (what ``compile`` lowers from)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+  def _host(self, shape, dtype):
+    """A host argument's shape: numpy arrays, placed replicated."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=self._repl)
+
+  def _admit_shapes(self, T: int, k: int) -> tuple:
+    h = self._host
+    return (self._shape(self.llm_state), self._batch_shapes, h((k,), np.int32),
+            h((k, T), np.int32), h((k,), np.int32), h((k,), np.uint32), h((k,), np.uint32),
+            h((k,), np.float32), h((k,), np.float32), h((k,), np.int32), h((k,), np.int32),
+            self._shape(self.stop_ids), h((k,), np.bool_))
+
+  def _step_shapes(self, rows: int) -> tuple:
+    h = self._host
+    return (self._shape(self.llm_state), self._shape(self.drafter_state),
+            self._shape(self.draft_embed), self._batch_shapes, self._shape(self.stop_ids),
+            h((rows,), np.int32), h((rows,), np.bool_), h((), np.int32))
 
   def row_buckets(self) -> list[int]:
     """The sub-batch sizes a step runs on: powers of two below the slot count, and all slots."""
@@ -333,16 +452,17 @@ class Placement:
     if b not in self.row_buckets() or mode not in self.modes() or (
         context not in self.context_buckets()):
       raise ValueError(f"no step for {b} rows in mode {mode!r} at context {context}")
-    fn = self._step_fns.get((b, mode, context))
-    if fn is None:
-      fn = self._step_fns[b, mode, context] = self._make_step(b, mode, context)
+    key = ("step", b, mode, context)
+    if key not in self._programs:
+      log.info("first %s: compiling it", self.program_name(key))
+      self.compile(key)
     kind = policy_lib.KINDS.index(policy_lib.kind_of(filtered, greedy))
-    self.batch, out = fn(self.llm_state, self.drafter_state, self.draft_embed, self.batch,
+    self.batch, out = self._programs[key](self.llm_state, self.drafter_state, self.draft_embed, self.batch,
                          self.stop_ids, np.asarray(rows, np.int32), np.asarray(live, bool),
                          np.int32(kind))
     return out
 
-  def _make_step(self, rows: int, mode: str, context: int):
+  def _step_jit(self, rows: int, mode: str, context: int):
     llm_def, drafter_def = self._llm_def, self._drafter_def
     dcfg = self._trees.get(mode)  # None: AR
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)

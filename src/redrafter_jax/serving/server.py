@@ -247,8 +247,11 @@ def build(preset: Preset, serve: ServeConfig | None = None, *,
   weights = jax.numpy.dtype(llm.param_dtype).name
   del llm, drafter  # the engine holds the placed copies
   if serve.warmup:
-    stage("warm-up: compiling every prompt bucket and step, then timing the steps")
-    engine.warmup(progress=startup.warmup if startup is not None else None)
+    stage("warm-up: compiling every prompt bucket and step, then timing the steps"
+          if serve.warmup_all else "warm-up: compiling the programs that cover any request, "
+          "then timing the steps (the rest compile in the background)")
+    engine.warmup(progress=startup.warmup if startup is not None else None,
+                  background=not serve.warmup_all)
   engine.start()
   d = preset.decode
   name = serve.model_name or preset.model
