@@ -635,10 +635,10 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
 def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
     llm, tok, random_drafter, reference):
   """``warmup(background=True)`` compiles only the covering set (the largest prompt bucket for
-  one prompt; each mode's step over all slots at the largest context); requests of every
-  bucket are served on it at once, padded, with the same greedy tokens and no compile on the
-  engine thread. The background thread then compiles the rest, and between requests the engine
-  times each finished step group and takes it into use (smaller rows and contexts)."""
+  one prompt; each mode's step over all slots at the largest context), untimed; requests of
+  every bucket are served on it at once, padded, with the same greedy tokens and no compile on
+  the engine thread. The background thread then compiles the rest, and between requests the
+  engine times each finished step group (and the covering one) and takes it into use."""
   cfg = dataclasses.replace(ECFG, max_context=64)
   engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
   place = engine._place
@@ -649,7 +649,7 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
   everything = set(place.admission_programs() + place.step_programs())
   assert set(place.rest_programs()) == everything - set(cover)
   assert place.rest_programs()[:2] == [("admit", 16, 1), ("admit", 32, 1)]  # short prompts first
-  assert engine._usable == {(4, 64)}
+  assert engine._usable == {(4, 64)} and engine.costs.warm == {}  # timed between requests
   compiles = []
   compile_ = place.compile
   place.compile = lambda key: compiles.append((threading.current_thread().name, key)) or (

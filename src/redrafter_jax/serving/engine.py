@@ -281,6 +281,7 @@ class Engine:
     # compiles some; then those compiled and timed (``_adopt_compiled`` adds to them).
     self._usable: set[tuple[int, int]] | None = None
     self._pending: list[tuple] = []  # programs the background compile works through
+    self._untimed: set[tuple[int, int]] = set()  # usable step groups the policy has no time for
     self._compiler: threading.Thread | None = None
 
   # ------------------------------------------------------------------ public API (any thread)
@@ -292,10 +293,11 @@ class Engine:
   def warmup(self, progress=None, *, background: bool = False) -> float:
     """Compile the programs serving meets now (before ``start``) and time the steps for the
     policy; returns the seconds it took. ``background``: compile only a covering set now
-    (``Placement.cover_programs``: any request can be served, padded to larger programs) and
-    the rest on a background thread from ``start`` on, each group of steps taken into use once
-    compiled and timed (``_adopt_compiled``); otherwise everything now, so no request ever
-    waits for a compile. Each program's compile is logged with its seconds; ``progress(done,
+    (``Placement.cover_programs``: any request can be served, padded to larger programs), time
+    it between requests, and compile the rest on a background thread from ``start`` on, each
+    group of steps taken into use once compiled and timed (``_adopt_compiled``; until the
+    policy has timings it runs the tree); otherwise everything now, so no request ever waits
+    for a compile. Each program's compile is logged with its seconds; ``progress(done,
     total, what, seconds)`` also hears of it (the server's start-up: ``lifecycle.Startup``)."""
     if self._thread is not None:
       raise RuntimeError("warmup() runs before start(): only the engine thread touches JAX then")
@@ -307,11 +309,14 @@ class Engine:
         progress(done, total, what, seconds)
 
     keys = place.cover_programs() if background else None
-    costs = place.warmup(kinds=self._timed_kinds(), progress=each, keys=keys)
+    costs = place.warmup(kinds=self._timed_kinds(), progress=each, keys=keys,
+                         timed=not background)
     self._usable = {(b, c) for b, _, _, c in costs}
     if background:
       self._pending = place.rest_programs()
       place.compile_on_demand = False  # admissions run on compiled covers meanwhile
+      self._untimed = {(key[1], key[3]) for key in keys if key[0] == "step"}
+      self._usable |= self._untimed
     if self.config.adaptive:
       self.costs = policy_lib.StepCosts(costs)
     seconds = time.perf_counter() - t0
@@ -374,6 +379,8 @@ class Engine:
     new = [(b, c) for b in place.row_buckets() for c in place.context_buckets()
            if (b, c) not in self._usable
            and all(place.compiled(("step", b, m, c)) for m in place.modes())]
+    new += sorted(self._untimed)  # the covering set: in use since ready, not yet timed
+    self._untimed = set()
     if not new:
       return
     if self.costs is not None:

@@ -260,12 +260,12 @@ class Placement:
     return time.perf_counter() - t0
 
   def warmup(self, timed_runs: int = 5, kinds: Sequence[str] = policy_lib.KINDS,
-             progress=None, keys: Sequence[tuple] | None = None
+             progress=None, keys: Sequence[tuple] | None = None, timed: bool = True
              ) -> dict[tuple[int, str, str, int], float]:
     """Compile ``keys`` (default: every program the server can meet, ``admission_programs``
-    and ``step_programs``), then time their steps (``time_steps``); returns those seconds, the
-    cost table of ``policy.plan``. ``progress(done, total, what, seconds)``: called after each
-    compile (or load from the compilation cache)."""
+    and ``step_programs``), then time their steps (``time_steps``; not when ``timed`` is
+    False); returns those seconds, the cost table of ``policy.plan``. ``progress(done, total,
+    what, seconds)``: called after each compile (or load from the compilation cache)."""
     keys = list(keys if keys is not None else self.admission_programs() + self.step_programs())
     budget = MappingBudget(len(keys))
     for done, key in enumerate(keys, 1):
@@ -273,6 +273,8 @@ class Placement:
       seconds = self.compile(key)
       if progress is not None:
         progress(done, len(keys), self.program_name(key), seconds)
+    if not timed:
+      return {}
     return self.time_steps([key for key in keys if key[0] == "step"], timed_runs, kinds)
 
   def time_steps(self, keys: Sequence[tuple], timed_runs: int = 5,

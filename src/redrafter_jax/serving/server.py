@@ -248,8 +248,8 @@ def build(preset: Preset, serve: ServeConfig | None = None, *,
   del llm, drafter  # the engine holds the placed copies
   if serve.warmup:
     stage("warm-up: compiling every prompt bucket and step, then timing the steps"
-          if serve.warmup_all else "warm-up: compiling the programs that cover any request, "
-          "then timing the steps (the rest compile in the background)")
+          if serve.warmup_all else "warm-up: compiling the programs that cover any request "
+          "(timed between requests; the rest compile in the background)")
     engine.warmup(progress=startup.warmup if startup is not None else None,
                   background=not serve.warmup_all)
   engine.start()
