@@ -33,7 +33,11 @@ What this module does instead (``bench invariant`` and ``tests/test_invariant.py
   which depends on the shapes: a prefill and an AR step of the same token then part in the last
   bits a few layers in. The invariant mode's programs are compiled with ``COMPILER_OPTIONS``,
   which makes every bfloat16 operation round as written (``inference.runtime.mode_jit`` and the
-  server's programs pass them).
+  server's programs pass them). They also keep XLA:CPU from handing reductions and their
+  elementwise inputs to YNNPACK (only single dots go there): whether it does depends on the
+  shapes, and YNNPACK's exp is not XLA's, so the softmax of one AR row at batch 1 differed in
+  the last bits from the same row at batch 2 (the 40-prompt run of 2026-11-27 found 7 of 40
+  prompts parting that way).
 - a tree token sees its keys in VIRTUAL slots (``VirtualKeys``): positions before the row's
   committed length are the cache's slots, positions from it on are the token's ancestors at
   their depth, which is exactly what an AR step at that position reads. Its scores are a
@@ -54,7 +58,8 @@ CHUNK = 64  # slots per partial sum in attention
 _NEG_INF = -1e30
 # XLA options of the invariant mode's programs: every bfloat16 operation rounds as written,
 # whatever the fusion (module docstring).
-COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
+                    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
 def compiler_options(invariant: bool) -> dict | None:
