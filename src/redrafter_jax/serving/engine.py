@@ -517,7 +517,7 @@ class Engine:
           self._deliver_firsts()
           pending = ahead
           if pending is None and not self._firsts:
-            if self._pending and not self.active_slots():
+            if (self._pending or self._untimed) and not self.active_slots():
               self._adopt_compiled()
             self._wait_for_work()
         except Exception as e:  # a failed step must not take the server down
