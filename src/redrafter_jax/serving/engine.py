@@ -323,8 +323,9 @@ class Engine:
     log.info("warm-up: compiled %d programs in %.1f s%s%s", place.compiled_programs(), seconds,
              f"; {len(self._pending)} more to compile in the background" if background else "",
              _rss())
-    log.info("step seconds (rows, mode, kind, context): %s",
-             ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))
+    if costs:
+      log.info("step seconds (rows, mode, kind, context): %s",
+               ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))
     return seconds
 
   def _timed_kinds(self) -> tuple[str, ...]:
@@ -387,7 +388,7 @@ class Engine:
       self.costs.warm.update(place.time_steps(
           [("step", b, m, c) for b, c in new for m in place.modes()], kinds=self._timed_kinds()))
     self._usable.update(new)
-    log.info("steps for (rows, context) %s now in use", sorted(new))
+    log.info("steps for (rows, context) %s timed and in use", sorted(new))
 
   def _step_groups(self, rows: int, need: int) -> tuple[int, list[int]]:
     """The smallest context bucket holding ``need`` tokens with a usable step group for
