@@ -7,10 +7,11 @@ from the moment the process starts until it answers 200, then stops it with SIGT
 per run: seconds until the port answered, seconds until ready, the warm-up's program count (from
 the 503 progress bodies), the resident memory at ready and its peak (``VmRSS``, ``VmHWM`` from
 ``/proc``), and the exit status; with ``--settle``, also the seconds until the background
-compile (the programs a covering warm-up leaves for later) is done, and the memory then. The drafter's per-device tree timing (``--tree auto``) has its
-own cache beside the model; the table says whether it was already there. With ``--out``, each
-run's server log (its start-up stages and every warm-up program's seconds; the ``/health`` polls
-left out) is kept beside the table as ``<name>-run<i>.log``.
+compile (the programs a covering warm-up leaves for later) is done, and the memory then. The
+drafter's per-device tree timing (``--tree auto``) has its own cache beside the model; the
+table says whether it was already there. With ``--out``, each run's server log (its start-up
+stages and every warm-up program's seconds; the ``/health`` polls left out) is kept beside the
+table as ``<name>-run<i>.log``.
 """
 
 from __future__ import annotations

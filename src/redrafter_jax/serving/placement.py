@@ -459,9 +459,9 @@ class Placement:
       log.info("first %s: compiling it", self.program_name(key))
       self.compile(key)
     kind = policy_lib.KINDS.index(policy_lib.kind_of(filtered, greedy))
-    self.batch, out = self._programs[key](self.llm_state, self.drafter_state, self.draft_embed, self.batch,
-                         self.stop_ids, np.asarray(rows, np.int32), np.asarray(live, bool),
-                         np.int32(kind))
+    self.batch, out = self._programs[key](
+        self.llm_state, self.drafter_state, self.draft_embed, self.batch, self.stop_ids,
+        np.asarray(rows, np.int32), np.asarray(live, bool), np.int32(kind))
     return out
 
   def _step_jit(self, rows: int, mode: str, context: int):
