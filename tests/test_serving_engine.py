@@ -615,7 +615,7 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
   assert [engine._place.admission_rows(T) for T in (16, 32, 64)] == [[1, 2, 4]] * 3
   assert engine._place.row_buckets() == [1, 2, 4]
   assert engine._place.context_buckets() == (32, 64)
-  assert compiled == 3 * 3 + 3 * 2 * 2
+  assert compiled + len(engine._place.dropped) == 3 * 3 + 3 * 2 * 2  # less those never paying
   greedy = [0, 8, 2]  # prompts of 1, 18 and 40 tokens: buckets 16, 32, 64
   sampled = [GenerationRequest(PROMPTS[i], max_tokens=4, temperature=0.8, top_p=p, top_k=k,
                                seed=i) for i, p, k in ((1, 1.0, 0), (4, 0.9, 0), (6, 1.0, 5))]
@@ -666,16 +666,22 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
     engine._compiler = threading.Thread(target=engine._compile_rest)
     engine._compiler.start()
     engine._compiler.join(300)
-    assert engine.compile_progress() == {"done": len(pending), "total": len(pending),
-                                         "running": False}
+    progress = engine.compile_progress()
+    assert (progress["done"], progress["total"]) == (len(pending), len(pending))
     assert {name for name, _ in compiles} != {"redrafter-engine"}
-    assert place.compiled_programs() == len(everything)
     deadline = time.monotonic() + 60
-    while len(engine._usable) < 6 and time.monotonic() < deadline:  # adopted between requests
-      time.sleep(0.05)
-    assert engine._usable == {(b, c) for b in (1, 2, 4) for c in (32, 64)}
-    assert set(engine.costs.warm) == {(b, m, "greedy", c) for b in (1, 2, 4)
-                                      for m in ("ar", "spec") for c in (32, 64)}
+    while engine.compile_progress()["running"] and time.monotonic() < deadline:
+      time.sleep(0.05)  # adopted between requests
+    assert not engine.compile_progress()["running"]
+    assert place.compiled_programs() + len(place.dropped) == len(everything)
+    # Every step group timed and in use, or dropped as a larger rows bucket beat it (by the
+    # timings: policy.dominated); never the all-slots one.
+    dropped = {(key[1], key[3]) for key in place.dropped}
+    assert engine._usable | dropped == {(b, c) for b in (1, 2, 4) for c in (32, 64)}
+    assert not engine._usable & dropped and {(4, 32), (4, 64)} <= engine._usable
+    assert place.dropped == {("step", b, m, c) for b, c in dropped for m in ("ar", "spec")}
+    assert set(engine.costs.warm) == {(b, m, "greedy", c) for b, c in engine._usable
+                                      for m in ("ar", "spec")}
     again = [engine.generate(GenerationRequest(PROMPTS[i], max_tokens=4)).token_ids
              for i in greedy]
     assert engine.context_counts[32] > 0  # a smaller context, adopted
@@ -683,6 +689,40 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
     engine.stop()
   want = [expected(reference[i], 4) for i in greedy]
   assert got == want and again == want
+
+
+def test_steps_that_never_pay_are_dropped_and_serving_goes_on(llm, tok, random_drafter,
+                                                               reference):
+  """With timings in which the 2-row steps cost more than the 4-row ones (both modes, both
+  contexts), ``_drop_dominated`` lets their programs go: no longer compiled, usable or priced.
+  Two requests at once then step on the 4-row bucket (and one alone on the 1-row one) with
+  ``decode()``'s greedy tokens, and nothing is compiled again."""
+  cfg = dataclasses.replace(ECFG, max_context=64, adaptive=False)  # no timings: no drop yet
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  engine.warmup()
+  place = engine._place
+  groups = {(b, c) for b in (1, 2, 4) for c in (32, 64)}
+  assert engine._usable == groups and not place.dropped
+  compiled = place.compiled_programs()
+  engine.costs = policy.StepCosts({(b, m, "greedy", c): {1: 0.01, 2: 0.05, 4: 0.04}[b]
+                                   for b, c in groups for m in ("ar", "spec")}, min_seen=None)
+  engine._drop_dominated()
+  assert place.dropped == {("step", 2, m, c) for m in ("ar", "spec") for c in (32, 64)}
+  assert not any(place.compiled(key) for key in place.dropped)
+  assert place.compiled_programs() == compiled - 4
+  assert engine._usable == groups - {(2, 32), (2, 64)}
+  assert {key[0] for key in engine.costs.warm} == {1, 4}
+  engine.start()
+  try:
+    results, _ = run_concurrently(
+        engine, [GenerationRequest(PROMPTS[i], max_tokens=MAX_TOKENS[i]) for i in (0, 1)])
+  finally:
+    engine.stop()
+  assert [r.token_ids for r in results] == [expected(reference[i], MAX_TOKENS[i])
+                                            for i in (0, 1)]
+  assert engine.step_counts[4, "spec"] + engine.step_counts[4, "ar"] > 0
+  assert not any(b == 2 for b, _ in engine.step_counts), engine.step_counts
+  assert place.compiled_programs() == compiled - 4
 
 
 def test_warmup_stops_before_running_out_of_memory_mappings():

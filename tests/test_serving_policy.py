@@ -80,6 +80,33 @@ def test_plan_picks_a_larger_bucket_when_it_costs_less():
     policy.plan(9, "greedy", costs, tps, MODES, [1, 2, 4, 8])
 
 
+def test_dominated_groups_are_those_a_larger_bucket_beats_in_every_mode_and_kind():
+  """A (rows, context) group is dominated when a larger rows bucket at the same context costs
+  no more in every mode and kind timed for it; with the dominated groups left out, ``plan``
+  picks what it picked with them, for any acceptance."""
+  seconds = {}
+  for c, ar, spec in ((512, {1: .02, 2: .03, 4: .05, 8: .045}, {1: .03, 2: .04, 4: .08, 8: .07}),
+                      (2048, {1: .04, 2: .045, 4: .12, 8: .05}, {1: .05, 2: .09, 4: .15, 8: .08})):
+    seconds.update({(b, m, "greedy", c): s for m, t in (("ar", ar), ("spec", spec))
+                    for b, s in t.items()})
+  # 512: 4 rows lose to 8 in both modes (2 rows win in both); 2048: 2 rows win in AR only.
+  assert policy.dominated(seconds) == {(4, 512), (4, 2048)}
+  assert policy.dominated({**seconds, (2, "ar", "greedy", 2048): 0.05}) == {
+      (2, 2048), (4, 512), (4, 2048)}  # a tie counts
+  # A kind the rival was not timed in keeps the group.
+  assert policy.dominated({**seconds, (4, "ar", "sampled", 512): 0.1}) == {(4, 2048)}
+  assert policy.dominated({}) == set()
+  for c in (512, 2048):
+    for tps in ({"ar": 1.0, "spec": s} for s in (1.0, 1.3, 1.8, 2.5, 4.0)):
+      costs = {(b, m, k): s for (b, m, k, cc), s in seconds.items() if cc == c}
+      kept = [b for b in (1, 2, 4, 8) if (b, c) not in policy.dominated(seconds)]
+      for rows in range(1, 9):
+        full = policy.plan(rows, "greedy", costs, tps, MODES, [1, 2, 4, 8])
+        pruned = policy.plan(rows, "greedy", costs, tps, MODES, kept)
+        cost = lambda bm: costs[bm[0], bm[1], "greedy"] / tps[bm[1]]
+        assert cost(pruned) == cost(full), (c, tps, rows, full, pruned)
+
+
 def test_plan_without_measurements_keeps_the_engines_mode():
   tps = {"ar": 1.0, "spec": 1.0}
   assert policy.plan(3, "greedy", None, tps, MODES, [1, 2, 4, 8]) == (4, "spec")

@@ -7,7 +7,8 @@ from the moment the process starts until it answers 200, then stops it with SIGT
 per run: seconds until the port answered, seconds until ready, the warm-up's program count (from
 the 503 progress bodies), the resident memory at ready and its peak (``VmRSS``, ``VmHWM`` from
 ``/proc``), and the exit status; with ``--settle``, also the seconds until the background
-compile (the programs a covering warm-up leaves for later) is done, and the memory then. The
+compile (the programs a covering warm-up leaves for later) is done and its steps timed (those
+that never pay dropped), the programs the server then holds, and the memory then. The
 drafter's per-device tree timing (``--tree auto``) has its own cache beside the model; the
 table says whether it was already there. With ``--out``, each run's server log (its start-up
 stages and every warm-up program's seconds; the ``/health`` polls left out) is kept beside the
@@ -103,7 +104,7 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
           if args.settle:
             out["settled_s"] = time.monotonic() - t0
             out["settled_programs"] = (out["warmup_programs"] or 0) + (
-                compiling["done"] if compiling else 0)
+                compiling["done"] - compiling.get("dropped", 0) if compiling else 0)
             out["settled_rss_mb"] = memory_kb(proc.pid).get("VmRSS", 0) / 1024
           break
         time.sleep(1.0)
@@ -138,7 +139,7 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
            f"{os.cpu_count()} CPUs; the tree timings of `--tree auto` were "
            f"{'already cached' if trees_cached else 'not cached (the first run timed them)'}.",
            "", "| run | compile cache | port answers (s) | ready (s) | warm-up programs "
-           "| RSS at ready (MB) | peak RSS (MB) | all compiled (s) | programs then | RSS then (MB) "
+           "| RSS at ready (MB) | peak RSS (MB) | all compiled (s) | programs held then | RSS then (MB) "
            "| exit | error |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for i, r in enumerate(runs):

@@ -326,6 +326,7 @@ class Engine:
     if costs:
       log.info("step seconds (rows, mode, kind, context): %s",
                ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))
+    self._drop_dominated()
     return seconds
 
   def _timed_kinds(self) -> tuple[str, ...]:
@@ -343,11 +344,15 @@ class Engine:
     return self
 
   def compile_progress(self) -> dict:
-    """The background compile's progress: programs compiled of those it has, and whether it
-    is still running (``warmup(background=True)``)."""
-    done = sum(self._place.compiled(key) for key in self._pending)
-    running = self._compiler is not None and self._compiler.is_alive()
-    return {"done": done, "total": len(self._pending), "running": running}
+    """The background compile's progress (``warmup(background=True)``): programs compiled of
+    those it has, whether it is still running (compiling, or compiled steps not yet timed and
+    in use), and how many programs were dropped as never paying (``_drop_dominated``)."""
+    place = self._place
+    done = sum(place.compiled(key) or key in place.dropped for key in self._pending)
+    running = (self._compiler is not None and self._compiler.is_alive()) or (
+        bool(self._pending) and bool(self._adoptable()))
+    return {"done": done, "total": len(self._pending), "running": running,
+            "dropped": len(place.dropped)}
 
   def _compile_rest(self) -> None:
     """The background thread: compile ``_pending`` in order (at a lower CPU priority where
@@ -377,18 +382,45 @@ class Engine:
     """Between requests (no slot held): take into use each row/context group whose steps
     (all modes) the background thread has compiled since, timing them first for the policy."""
     place = self._place
-    new = [(b, c) for b in place.row_buckets() for c in place.context_buckets()
-           if (b, c) not in self._usable
-           and all(place.compiled(("step", b, m, c)) for m in place.modes())]
-    new += sorted(self._untimed)  # the covering set: in use since ready, not yet timed
+    new = self._adoptable()
     self._untimed = set()
     if not new:
       return
+    timed = {}
     if self.costs is not None:
-      self.costs.warm.update(place.time_steps(
-          [("step", b, m, c) for b, c in new for m in place.modes()], kinds=self._timed_kinds()))
+      timed = place.time_steps([("step", b, m, c) for b, c in new for m in place.modes()],
+                               kinds=self._timed_kinds())
+      self.costs.warm.update(timed)
     self._usable.update(new)
-    log.info("steps for (rows, context) %s timed and in use", sorted(new))
+    log.info("steps for (rows, context) %s timed and in use%s", sorted(new),
+             "".join(f"; {k}: {v * 1e3:.1f} ms" for k, v in sorted(timed.items())))
+    self._drop_dominated()
+
+  def _adoptable(self) -> list[tuple[int, int]]:
+    """The (rows, context) step groups compiled but not yet timed and in use: those whose
+    every mode the background thread has compiled since, and the covering set's."""
+    place = self._place
+    new = [(b, c) for b in place.row_buckets() for c in place.context_buckets()
+           if (b, c) not in self._usable
+           and all(place.compiled(("step", b, m, c)) for m in place.modes())]
+    return new + sorted(self._untimed)
+
+  def _drop_dominated(self) -> None:
+    """Drop the step groups a larger rows bucket at the same context matches or beats in
+    every timed mode and kind (``policy.dominated``, by the warm-up timings): the policy would
+    never pick them, and each holds its programs' code in memory."""
+    if self.costs is None or self._usable is None:
+      return
+    drop = policy_lib.dominated({key: s for key, s in self.costs.warm.items()
+                                 if (key[0], key[3]) in self._usable})
+    if not drop:
+      return
+    self._usable -= drop
+    for key in [key for key in self.costs.warm if (key[0], key[3]) in drop]:
+      del self.costs.warm[key]
+    self._place.drop([("step", b, m, c) for b, c in drop for m in self._place.modes()])
+    log.info("dropped the steps for (rows, context) %s: a larger rows bucket costs no more "
+             "there%s", sorted(drop), _rss())
 
   def _step_groups(self, rows: int, need: int) -> tuple[int, list[int]]:
     """The smallest context bucket holding ``need`` tokens with a usable step group for

@@ -180,6 +180,7 @@ class Placement:
     self._repl = repl
     # Compiled programs by key (``program_name``); ``compile`` adds to it from any thread.
     self._programs: dict[tuple, object] = {}
+    self.dropped: set[tuple] = set()  # programs compiled, then let go (``drop``)
     self._lock = threading.Lock()
     # True: an admission runs on its bucket's own program, compiled when first needed. False
     # (while a background compile fills in the programs): on the cheapest compiled cover.
@@ -293,6 +294,16 @@ class Placement:
         times[b, mode, kind, c].append(time.perf_counter() - t0)
     self.reset()
     return {key: float(np.median(t)) for key, t in times.items()}
+
+  def drop(self, keys: Sequence[tuple]) -> None:
+    """Let the compiled programs ``keys`` go, and the memory their code holds (tens of MB
+    each): the engine drops the steps it has measured will never pay (``policy.dominated``) and
+    asks for them no more (a later call would compile them again)."""
+    with self._lock:
+      for key in keys:
+        if self._programs.pop(key, None) is not None:
+          self.dropped.add(key)
+    release_free_memory()
 
   def compiled_programs(self) -> int:
     """How many programs are compiled (grows when something compiles)."""

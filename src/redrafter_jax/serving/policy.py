@@ -65,6 +65,21 @@ def plan(rows: int, kind: str, seconds: Mapping[tuple[int, str, str], float] | N
   return best[1], best[2]
 
 
+def dominated(seconds: Mapping[tuple[int, str, str, int], float]) -> set[tuple[int, int]]:
+  """The (rows bucket, context) step groups of ``seconds`` (by (rows, mode, kind, context))
+  that some larger rows bucket at the same context matches or beats in every mode and sampling
+  kind timed for both: ``plan`` never gains by picking one of them (on XLA:CPU a bucket below
+  all slots gathers its rows out of the slot batch and puts them back, and can cost more than
+  the all-slots step). A group timed in a mode or kind its rival was not is kept."""
+  groups: dict[tuple[int, int], dict[tuple[str, str], float]] = {}
+  for (b, mode, kind, c), s in seconds.items():
+    groups.setdefault((b, c), {})[mode, kind] = s
+  return {(b, c) for (b, c), mine in groups.items()
+          if any(c2 == c and b2 > b and mine.keys() <= theirs.keys()
+                 and all(theirs[x] <= mine[x] for x in mine)
+                 for (b2, c2), theirs in groups.items())}
+
+
 @dataclasses.dataclass
 class Acceptance:
   """Tokens per ReDrafter step per row: a prior worth ``prior_weight`` row-steps, updated with
