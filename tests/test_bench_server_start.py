@@ -35,11 +35,3 @@ def test_bad_arguments():
     with pytest.raises(SystemExit) as e:
       server_start.parse_args(argv)
     assert e.value.code == 2
-
-
-def test_memory_of_this_process():
-  import os
-
-  mem = server_start.memory_kb(os.getpid())
-  assert mem["VmRSS"] > 0 and mem["VmHWM"] >= mem["VmRSS"]
-  assert server_start.memory_kb(2 ** 22 + 12345) == {}

@@ -672,10 +672,11 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
     deadline = time.monotonic() + 60
     while engine.compile_progress()["running"] and time.monotonic() < deadline:
       time.sleep(0.05)  # adopted between requests
-    assert not engine.compile_progress()["running"]
+    assert not engine.compile_progress()["running"] and engine._unsettled == []
     assert place.compiled_programs() + len(place.dropped) == len(everything)
-    # Every step group timed and in use, or dropped as a larger rows bucket beat it (by the
-    # timings: policy.dominated); never the all-slots one.
+    # Every step group timed and in use, or dropped as a larger rows bucket beat it (timed
+    # together at each context once the compile was done: policy.dominated); never the
+    # all-slots one.
     dropped = {(key[1], key[3]) for key in place.dropped}
     assert engine._usable | dropped == {(b, c) for b in (1, 2, 4) for c in (32, 64)}
     assert not engine._usable & dropped and {(4, 32), (4, 64)} <= engine._usable
@@ -706,7 +707,7 @@ def test_steps_that_never_pay_are_dropped_and_serving_goes_on(llm, tok, random_d
   compiled = place.compiled_programs()
   engine.costs = policy.StepCosts({(b, m, "greedy", c): {1: 0.01, 2: 0.05, 4: 0.04}[b]
                                    for b, c in groups for m in ("ar", "spec")}, min_seen=None)
-  engine._drop_dominated()
+  engine._drop_dominated({32, 64})
   assert place.dropped == {("step", 2, m, c) for m in ("ar", "spec") for c in (32, 64)}
   assert not any(place.compiled(key) for key in place.dropped)
   assert place.compiled_programs() == compiled - 4
@@ -730,7 +731,8 @@ def test_warmup_stops_before_running_out_of_memory_mappings():
   stops with a ConfigError naming the limit and what to change once the programs left would
   pass it (XLA:CPU maps every kernel; Linux aborts a process at vm.max_map_count)."""
   from redrafter_jax.config import ConfigError
-  from redrafter_jax.serving.placement import MappingBudget, memory_mappings
+  from redrafter_jax.hostmem import memory_mappings
+  from redrafter_jax.serving.placement import MappingBudget
 
   held = iter([1000, 1000, 1900])  # the probe at creation, then before each compile
 

@@ -16,6 +16,10 @@ small steps (results/linux-x86-64-2cpu/2026-11-26-smaller-trees).
 (``cli.main``, ``python -m redrafter_jax.bench``), and a program of one's own can call it before
 its first JAX computation. Elsewhere (not glibc) it does nothing. ``REDRAFTER_JAX_MALLOC=default``
 keeps glibc's settings (for comparisons).
+
+The other side: ``release_free_memory()`` hands what is free back to the OS at chosen moments
+(the server after each compile), and ``status_kb`` / ``memory_mappings`` read what a process
+holds (Linux ``/proc``), for logs, benches and the server's mapping budget.
 """
 
 from __future__ import annotations
@@ -32,6 +36,19 @@ SETTINGS = ((_M_MMAP_THRESHOLD, 1 << 30),  # below 1 GiB: from the heap, not a n
             (_M_TOP_PAD, 64 << 20))  # and grow it 64 MiB at a time
 
 _applied: bool | None = None
+_libc: ctypes.CDLL | None | bool = False  # False: not looked up yet
+
+
+def libc() -> ctypes.CDLL | None:
+  """The C library (looked up once), or None where there is none to find."""
+  global _libc
+  if _libc is False:
+    name = ctypes.util.find_library("c")
+    try:
+      _libc = ctypes.CDLL(name) if name else None
+    except OSError:
+      _libc = None
+  return _libc
 
 
 def keep_freed_memory() -> bool:
@@ -41,8 +58,45 @@ def keep_freed_memory() -> bool:
   if _applied is None:
     _applied = False
     if os.environ.get(ENV, "").strip().lower() != "default":
-      name = ctypes.util.find_library("c")
-      libc = ctypes.CDLL(name) if name else None
-      if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version"):
-        _applied = all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
+      c = libc()
+      if c is not None and hasattr(c, "mallopt") and hasattr(c, "gnu_get_libc_version"):
+        _applied = all(c.mallopt(param, value) == 1 for param, value in SETTINGS)
   return _applied
+
+
+def release_free_memory() -> None:
+  """Hand the memory the C allocator holds free back to the OS (glibc's ``malloc_trim``; a
+  no-op elsewhere). XLA:CPU's compiles and runs free what they used, but glibc keeps it (in
+  per-thread arenas, and below the thresholds above), so a server compiling on one thread
+  while its engine runs on another grows with every program it takes into use."""
+  c = libc()
+  if c is not None and hasattr(c, "malloc_trim"):
+    c.malloc_trim(0)
+
+
+def status_kb(pid: int | str = "self", keys=("VmRSS", "VmHWM")) -> dict[str, int]:
+  """``keys`` of a process's ``/proc/<pid>/status`` in kB (default: resident memory and its
+  peak); empty when the process is gone or there is no ``/proc``."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return {}
+  out = {}
+  for line in lines:
+    key, _, value = line.partition(":")
+    if key in keys:
+      out[key] = int(value.split()[0])
+  return out
+
+
+def memory_mappings() -> tuple[int, int] | None:
+  """The memory mappings this process holds and the kernel's limit per process
+  (``vm.max_map_count``), on Linux; None elsewhere."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      held = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return held, int(f.read())
+  except (OSError, ValueError):
+    return None

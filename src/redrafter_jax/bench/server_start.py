@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from redrafter_jax.hostmem import status_kb
+
 
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench server_start",
@@ -53,20 +55,6 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-def memory_kb(pid: int) -> dict[str, int]:
-  """``VmRSS`` and ``VmHWM`` (peak) of a process, in kB (empty when it is gone)."""
-  try:
-    lines = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
-  except OSError:
-    return {}
-  out = {}
-  for line in lines:
-    key, _, value = line.partition(":")
-    if key in ("VmRSS", "VmHWM"):
-      out[key] = int(value.split()[0])
-  return out
 
 
 def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
@@ -96,7 +84,7 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
       if r.status_code == 200:
         if out["ready_s"] is None:
           out["ready_s"] = time.monotonic() - t0
-          mem = memory_kb(proc.pid)
+          mem = status_kb(proc.pid)
           out["rss_mb"] = mem.get("VmRSS", 0) / 1024
           out["peak_rss_mb"] = mem.get("VmHWM", 0) / 1024
         compiling = r.json().get("compiling")
@@ -105,7 +93,7 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
             out["settled_s"] = time.monotonic() - t0
             out["settled_programs"] = (out["warmup_programs"] or 0) + (
                 compiling["done"] - compiling.get("dropped", 0) if compiling else 0)
-            out["settled_rss_mb"] = memory_kb(proc.pid).get("VmRSS", 0) / 1024
+            out["settled_rss_mb"] = status_kb(proc.pid).get("VmRSS", 0) / 1024
           break
         time.sleep(1.0)
         continue

@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import jax
 
 from redrafter_jax.config import ConfigError, DecodeConfig
+from redrafter_jax.hostmem import status_kb
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import policy as policy_lib
@@ -169,13 +170,9 @@ def tree_mode(text: str) -> str:
 
 
 def _rss() -> str:
-  """", RSS x.x GB": this process's resident memory, for the compile logs (Linux only)."""
-  try:
-    with open("/proc/self/statm") as f:
-      pages = int(f.read().split()[1])
-    return f", RSS {pages * os.sysconf('SC_PAGE_SIZE') / 1e9:.2f} GB"
-  except (OSError, ValueError, IndexError):
-    return ""
+  """", RSS x.xx GB": this process's resident memory, for the compile logs (Linux only)."""
+  kb = status_kb(keys=("VmRSS",)).get("VmRSS")
+  return "" if kb is None else f", RSS {kb * 1024 / 1e9:.2f} GB"
 
 
 def _fault_message(e: BaseException) -> str:
@@ -282,6 +279,7 @@ class Engine:
     self._usable: set[tuple[int, int]] | None = None
     self._pending: list[tuple] = []  # programs the background compile works through
     self._untimed: set[tuple[int, int]] = set()  # usable step groups the policy has no time for
+    self._unsettled: list[int] = []  # contexts whose steps are to be timed together (``_settle``)
     self._compiler: threading.Thread | None = None
 
   # ------------------------------------------------------------------ public API (any thread)
@@ -316,6 +314,7 @@ class Engine:
       self._pending = place.rest_programs()
       place.compile_on_demand = False  # admissions run on compiled covers meanwhile
       self._untimed = {(key[1], key[3]) for key in keys if key[0] == "step"}
+      self._unsettled = list(place.context_buckets())
       self._usable |= self._untimed
     if self.config.adaptive:
       self.costs = policy_lib.StepCosts(costs)
@@ -326,7 +325,7 @@ class Engine:
     if costs:
       log.info("step seconds (rows, mode, kind, context): %s",
                ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(costs.items())))
-    self._drop_dominated()
+      self._drop_dominated(place.context_buckets())  # all timed together, nothing compiling
     return seconds
 
   def _timed_kinds(self) -> tuple[str, ...]:
@@ -345,12 +344,13 @@ class Engine:
 
   def compile_progress(self) -> dict:
     """The background compile's progress (``warmup(background=True)``): programs compiled of
-    those it has, whether it is still running (compiling, or compiled steps not yet timed and
-    in use), and how many programs were dropped as never paying (``_drop_dominated``)."""
+    those it has, whether it is still running (compiling, or steps not yet timed and in use,
+    or not yet timed together: ``_settle``), and how many programs were dropped as never
+    paying (``_drop_dominated``)."""
     place = self._place
     done = sum(place.compiled(key) or key in place.dropped for key in self._pending)
     running = (self._compiler is not None and self._compiler.is_alive()) or (
-        bool(self._pending) and bool(self._adoptable()))
+        bool(self._pending) and bool(self._unsettled or self._adoptable()))
     return {"done": done, "total": len(self._pending), "running": running,
             "dropped": len(place.dropped)}
 
@@ -380,21 +380,36 @@ class Engine:
 
   def _adopt_compiled(self) -> None:
     """Between requests (no slot held): take into use each row/context group whose steps
-    (all modes) the background thread has compiled since, timing them first for the policy."""
-    place = self._place
+    (all modes) the background thread has compiled since, timing them first for the policy;
+    once it is done, settle one context bucket (``_settle``)."""
     new = self._adoptable()
     self._untimed = set()
-    if not new:
-      return
-    timed = {}
-    if self.costs is not None:
-      timed = place.time_steps([("step", b, m, c) for b, c in new for m in place.modes()],
-                               kinds=self._timed_kinds())
-      self.costs.warm.update(timed)
-    self._usable.update(new)
-    log.info("steps for (rows, context) %s timed and in use%s", sorted(new),
-             "".join(f"; {k}: {v * 1e3:.1f} ms" for k, v in sorted(timed.items())))
-    self._drop_dominated()
+    if new:
+      timed = self._time_groups(new)
+      self._usable.update(new)
+      log.info("steps for (rows, context) %s timed and in use%s", sorted(new), timed)
+    elif self._unsettled and not (self._compiler is not None and self._compiler.is_alive()):
+      self._settle(self._unsettled.pop(0))
+
+  def _time_groups(self, groups) -> str:
+    """Time the steps of ``groups`` (all modes, interleaved) into the policy's costs; returns
+    them for a log line."""
+    if self.costs is None:
+      return ""
+    timed = self._place.time_steps(
+        [("step", b, m, c) for b, c in groups for m in self._place.modes()],
+        kinds=self._timed_kinds())
+    self.costs.warm.update(timed)
+    return "".join(f"; {k}: {v * 1e3:.1f} ms" for k, v in sorted(timed.items()))
+
+  def _settle(self, context: int) -> None:
+    """With the background compile done (no compile shares the CPU any more), time every
+    usable step group at ``context`` again, together (``time_steps`` interleaves them, so a
+    slow spell hits all alike: the groups timed as each compiled ran beside different
+    compiles), and drop those a larger rows bucket matches or beats there."""
+    groups = sorted(g for g in self._usable if g[1] == context)
+    log.info("steps at context %d timed together%s", context, self._time_groups(groups))
+    self._drop_dominated({context})
 
   def _adoptable(self) -> list[tuple[int, int]]:
     """The (rows, context) step groups compiled but not yet timed and in use: those whose
@@ -405,14 +420,15 @@ class Engine:
            and all(place.compiled(("step", b, m, c)) for m in place.modes())]
     return new + sorted(self._untimed)
 
-  def _drop_dominated(self) -> None:
-    """Drop the step groups a larger rows bucket at the same context matches or beats in
-    every timed mode and kind (``policy.dominated``, by the warm-up timings): the policy would
-    never pick them, and each holds its programs' code in memory."""
+  def _drop_dominated(self, contexts) -> None:
+    """Drop the step groups at ``contexts`` that a larger rows bucket at the same context
+    matches or beats in every timed mode and kind (``policy.dominated``, by the warm-up
+    timings, which must have timed the groups together): the policy would never pick them,
+    and each holds its programs' code in memory."""
     if self.costs is None or self._usable is None:
       return
     drop = policy_lib.dominated({key: s for key, s in self.costs.warm.items()
-                                 if (key[0], key[3]) in self._usable})
+                                 if (key[0], key[3]) in self._usable and key[3] in contexts})
     if not drop:
       return
     self._usable -= drop

@@ -18,7 +18,6 @@ background; a program nothing covers is compiled when first needed.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import re
@@ -34,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redrafter_jax import sharding as sh
 from redrafter_jax.config import ConfigError
+from redrafter_jax.hostmem import memory_mappings, release_free_memory
 from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
@@ -57,29 +57,6 @@ def serving_mesh(devices: int | None = None) -> jax.sharding.Mesh:
 def prompt_bucket(n: int, minimum: int, maximum: int) -> int:
   """Padded prompt length: a power of two >= ``minimum``, at most ``maximum``."""
   return min(max(minimum, 1 << max(n - 1, 0).bit_length()), maximum)
-
-
-def memory_mappings() -> tuple[int, int] | None:
-  """The memory mappings this process holds and the kernel's limit per process
-  (``vm.max_map_count``), on Linux; None elsewhere."""
-  try:
-    with open("/proc/self/maps", "rb") as f:
-      held = sum(1 for _ in f)
-    with open("/proc/sys/vm/max_map_count") as f:
-      return held, int(f.read())
-  except (OSError, ValueError):
-    return None
-
-
-def release_free_memory() -> None:
-  """Hand the memory the C allocator holds free back to the OS (glibc's ``malloc_trim``; a
-  no-op elsewhere). XLA:CPU's compiles and runs free what they used, but glibc keeps it in
-  per-thread arenas, so a server compiling on one thread while its engine runs on another
-  grows with every program it takes into use (measured in results/, 2026-11-27)."""
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
 
 
 class MappingBudget:
