@@ -389,7 +389,8 @@ class Engine:
       self._usable.update(new)
       log.info("steps for (rows, context) %s timed and in use%s", sorted(new), timed)
     elif self._unsettled and not (self._compiler is not None and self._compiler.is_alive()):
-      self._settle(self._unsettled.pop(0))
+      self._settle(self._unsettled[0])
+      del self._unsettled[0]  # after: ``compile_progress`` says running until the drop is done
 
   def _time_groups(self, groups) -> str:
     """Time the steps of ``groups`` (all modes, interleaved) into the policy's costs; returns
