@@ -374,3 +374,21 @@ def test_serve_settings_come_from_the_preset_then_the_flags(tmp_path, monkeypatc
       settings(bad)
   with pytest.raises(ConfigError, match="port must be in"):
     settings("--port", "70000")
+
+
+def test_serve_defaults_are_the_engines():
+  """``ServeConfig`` (config.py, below serving in the layering) repeats the defaults of the
+  ``EngineConfig`` settings it passes on; they must not drift apart, or ``serve`` and
+  ``Engine`` would differ with nothing set."""
+  import dataclasses
+
+  from redrafter_jax.config import ServeConfig
+  from redrafter_jax.serving.engine import EngineConfig
+
+  engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+  shared = [f for f in dataclasses.fields(ServeConfig) if f.name in engine]
+  assert {f.name for f in shared} >= {"slots", "max_tokens", "max_queue", "prefill_tokens",
+                                      "min_context_bucket", "speculative"}
+  for f in shared:
+    if f.default is not None:  # None: resolved from the model or preset (engine_config)
+      assert f.default == engine[f.name], f.name
