@@ -127,8 +127,8 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
            f"{os.cpu_count()} CPUs; the tree timings of `--tree auto` were "
            f"{'already cached' if trees_cached else 'not cached (the first run timed them)'}.",
            "", "| run | compile cache | port answers (s) | ready (s) | warm-up programs "
-           "| RSS at ready (MB) | peak RSS (MB) | all compiled (s) | programs held then | RSS then (MB) "
-           "| exit | error |",
+           "| RSS at ready (MB) | peak RSS (MB) | all compiled (s) | programs held then "
+           "| RSS then (MB) | exit | error |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for i, r in enumerate(runs):
     lines.append(f"| {i + 1} | {'cold' if i == 0 else 'warm'} | {fmt(r['listening_s'])} "

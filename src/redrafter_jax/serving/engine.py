@@ -425,7 +425,7 @@ class Engine:
     """Drop the step groups at ``contexts`` that a larger rows bucket at the same context
     matches or beats in every timed mode and kind (``policy.dominated``, by the warm-up
     timings, which must have timed the groups together): the policy would never pick them,
-    and each holds its programs' code in memory."""
+    and each of their programs holds memory (``Placement.drop``)."""
     if self.costs is None or self._usable is None:
       return
     drop = policy_lib.dominated({key: s for key, s in self.costs.warm.items()

@@ -273,9 +273,9 @@ class Placement:
     return {key: float(np.median(t)) for key, t in times.items()}
 
   def drop(self, keys: Sequence[tuple]) -> None:
-    """Let the compiled programs ``keys`` go, and the memory their code holds (tens of MB
-    each): the engine drops the steps it has measured will never pay (``policy.dominated``) and
-    asks for them no more (a later call would compile them again)."""
+    """Let the compiled programs ``keys`` go, and the memory their executables hold (tens of MB
+    each, little of it machine code): the engine drops the steps it has measured will never pay
+    (``policy.dominated``) and asks for them no more (a later call would compile them again)."""
     with self._lock:
       for key in keys:
         if self._programs.pop(key, None) is not None:
