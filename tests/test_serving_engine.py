@@ -726,6 +726,70 @@ def test_steps_that_never_pay_are_dropped_and_serving_goes_on(llm, tok, random_d
   assert place.compiled_programs() == compiled - 4
 
 
+def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
+    llm, tok, random_drafter, reference, monkeypatch):
+  """``memory_limit_gb``: before each background compile, the resident memory now plus the
+  most one compile added so far is checked against the limit (``MemoryLimit``); past it the
+  compile stops, ``compile_progress`` says why and how far it got, and requests are served on
+  the programs compiled (padded to larger ones), with ``decode()``'s greedy tokens."""
+  from redrafter_jax.serving import engine as engine_mod
+  from redrafter_jax.serving.placement import MemoryLimit
+
+  rss = iter(range(500, 10_000, 100))  # MB: at creation, then +100 MB before each compile
+  monkeypatch.setattr(engine_mod, "MemoryLimit",
+                      lambda limit: MemoryLimit(limit, probe=lambda: next(rss) * 10 ** 6))
+  cfg = dataclasses.replace(ECFG, max_context=64, memory_limit_gb=1.0)
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  place = engine._place
+  engine.warmup(background=True)
+  pending = list(engine._pending)
+  # 600, 700, 800, 900 MB + 100 fit 1 GB; at 1000 MB the next would pass it: 4 compiled.
+  want_compiled = pending[:4]
+  assert want_compiled[2:] == [("step", 1, "ar", 32), ("step", 1, "spec", 32)]
+  greedy = [0, 8, 2]
+  engine.start()
+  try:
+    engine._compiler.join(300)
+    deadline = time.monotonic() + 60
+    while engine.compile_progress()["running"] and time.monotonic() < deadline:
+      time.sleep(0.05)
+    progress = engine.compile_progress()
+    assert (progress["done"], progress["total"], progress["running"]) == (4, len(pending),
+                                                                          False)
+    assert progress["stopped"].startswith(f"4 of {len(pending)} compiled: resident memory "
+                                          "1.00 GB plus up to 100 MB")
+    assert "memory limit of 1.00 GB" in progress["stopped"]
+    assert [key for key in pending if place.compiled(key)] == want_compiled
+    assert (1, 32) in engine._usable and (2, 32) not in engine._usable
+    results, _ = run_concurrently(
+        engine, [GenerationRequest(PROMPTS[i], max_tokens=4) for i in greedy])
+  finally:
+    engine.stop()
+  assert [r.token_ids for r in results] == [expected(reference[i], 4) for i in greedy]
+  assert not any(b == 2 for b, _ in engine.step_counts), engine.step_counts
+  assert [key for key in pending if place.compiled(key)] == want_compiled  # none on demand
+
+
+def test_memory_limit_measures_each_compile_and_stops_before_passing_it():
+  """``MemoryLimit.check``: the largest growth between checks is the next program's estimate;
+  past the limit it raises a ConfigError naming the limit and the setting; no /proc: no
+  check."""
+  from redrafter_jax.config import ConfigError
+  from redrafter_jax.hostmem import resident_bytes
+  from redrafter_jax.serving.placement import MemoryLimit
+
+  held = iter([1000, 1000, 1300, 1350, 1750])
+  limit = MemoryLimit(2000, probe=lambda: next(held))
+  limit.check()  # 1000 + 0
+  limit.check()  # 1300 + 300 <= 2000
+  limit.check()  # 1350 + 300 (the most so far, not the last 50) <= 2000
+  with pytest.raises(ConfigError, match=r"memory limit of 0.00 GB .*--memory-limit-gb"):
+    limit.check()  # 1750 + 400 (the most now) > 2000
+  unknown = MemoryLimit(1, probe=lambda: None)
+  unknown.check()
+  assert resident_bytes() is None or resident_bytes() > 10 ** 7
+
+
 def test_warmup_stops_before_running_out_of_memory_mappings():
   """``MappingBudget``: each compile's growth in memory mappings is measured, and the warm-up
   stops with a ConfigError naming the limit and what to change once the programs left would

@@ -478,6 +478,9 @@ class ServeConfig:
   warmup: bool = True
   warmup_all: bool = False
   compile_cache: str | None = None  # compiled-program cache folder (None: the default; "off")
+  # The background compile stops before resident memory would pass this many GB (None: no
+  # limit; the programs not compiled are served padded to larger ones).
+  memory_limit_gb: float | None = None
   # HTTP.
   host: str = "127.0.0.1"
   port: int = 8000
@@ -504,6 +507,9 @@ class ServeConfig:
       raise ConfigError(f"tree must be 'auto' or 'preset', got {self.tree!r}")
     for name in ("trees", "cors_origins", "allowed_hosts"):
       _names(self, name)
+    m = self.memory_limit_gb
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0):
+      raise ConfigError(f"memory_limit_gb must be a number of GB > 0 (or absent), got {m!r}")
     if not isinstance(self.shutdown_grace, (int, float)) or self.shutdown_grace < 0:
       raise ConfigError(f"shutdown_grace must be a number of seconds >= 0, got "
                         f"{self.shutdown_grace!r}")

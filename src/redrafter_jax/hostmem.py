@@ -90,6 +90,12 @@ def status_kb(pid: int | str = "self", keys=("VmRSS", "VmHWM")) -> dict[str, int
   return out
 
 
+def resident_bytes() -> int | None:
+  """This process's resident memory in bytes (``VmRSS``), on Linux; None elsewhere."""
+  kb = status_kb(keys=("VmRSS",)).get("VmRSS")
+  return None if kb is None else kb * 1024
+
+
 def memory_mappings() -> tuple[int, int] | None:
   """The memory mappings this process holds and the kernel's limit per process
   (``vm.max_map_count``), on Linux; None elsewhere."""

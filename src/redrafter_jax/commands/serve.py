@@ -99,6 +99,11 @@ def add_arguments(p):
                  help="compile nothing before accepting requests (the first request of each "
                       "kind then waits for a compile) (default: compile a covering set of "
                       "programs, ready sooner, and the rest in the background)")
+  p.add_argument("--memory-limit-gb", dest="memory_limit_gb", type=float, default=None,
+                 metavar="GB",
+                 help="stop the background compile before the process's resident memory would "
+                 "pass GB; requests the programs left out would serve run padded to larger "
+                 f"ones {default('memory_limit_gb', 'no limit')}")
   p.add_argument("--warmup-all", dest="warmup_all", action="store_const", const=True,
                  default=None, help="compile every prompt bucket and step mode before "
                                     "accepting requests (default: the preset's "

@@ -44,7 +44,7 @@ from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.serving import policy as policy_lib
 from redrafter_jax.serving.metrics import ServingMetrics
-from redrafter_jax.serving.placement import MappingBudget, Placement
+from redrafter_jax.serving.placement import MappingBudget, MemoryLimit, Placement
 from redrafter_jax.serving.request import (Delta, EngineStopped, Event, Failed, Finished,
                                            GenerationRequest, QueueFull, RequestError, validate)
 from redrafter_jax.serving.textstream import TextStream, decoder_for
@@ -97,6 +97,10 @@ class EngineConfig:
   # Their tokens per step per row assumed before any is observed, in ``trees`` order (empty, or
   # None for one: its beam_length).
   tree_priors: tuple[float | None, ...] = ()
+  # A background compile (``warmup(background=True)``) stops before the process's resident
+  # memory would pass this many GB (``MemoryLimit``): each program kept holds memory, and the
+  # covering set serves any request without the rest. None: compile them all.
+  memory_limit_gb: float | None = None
 
   def __post_init__(self):
     for name in ("slots", "max_context", "max_tokens", "default_max_tokens", "min_bucket",
@@ -112,6 +116,10 @@ class EngineConfig:
                         f"{self.explore_budget!r}")
     if not isinstance(self.max_queue, int) or self.max_queue < 0:
       raise ConfigError(f"serving: max_queue must be an integer >= 0, got {self.max_queue!r}")
+    m = self.memory_limit_gb
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0):
+      raise ConfigError(f"serving: memory_limit_gb must be a number of GB > 0 (or None), got "
+                        f"{m!r}")
     p = self.prior_tokens_per_step
     if p is not None and not 1.0 <= p <= self.decode.beam_length:
       raise ConfigError(f"serving: prior_tokens_per_step must be in [1, beam_length], got {p!r}")
@@ -281,6 +289,7 @@ class Engine:
     self._untimed: set[tuple[int, int]] = set()  # usable step groups the policy has no time for
     self._unsettled: list[int] = []  # contexts whose steps are to be timed together (``_settle``)
     self._compiler: threading.Thread | None = None
+    self._compile_stopped: str | None = None  # why the background compile stopped early
 
   # ------------------------------------------------------------------ public API (any thread)
 
@@ -346,31 +355,38 @@ class Engine:
     """The background compile's progress (``warmup(background=True)``): programs compiled of
     those it has, whether it is still running (compiling, or steps not yet timed and in use,
     or not yet timed together: ``_settle``), and how many programs were dropped as never
-    paying (``_drop_dominated``)."""
+    paying (``_drop_dominated``); ``stopped``: why it stopped before the last program (a
+    limit: ``MappingBudget``, ``MemoryLimit``), or None."""
     place = self._place
     done = sum(place.compiled(key) or key in place.dropped for key in self._pending)
     running = (self._compiler is not None and self._compiler.is_alive()) or (
         bool(self._pending) and bool(self._unsettled or self._adoptable()))
     return {"done": done, "total": len(self._pending), "running": running,
-            "dropped": len(place.dropped)}
+            "dropped": len(place.dropped), "stopped": self._compile_stopped}
 
   def _compile_rest(self) -> None:
     """The background thread: compile ``_pending`` in order (at a lower CPU priority where
-    the OS allows, so the engine's own steps come first), until done, stopped, or the memory
-    mappings would run out (``MappingBudget``: the server goes on with what it has)."""
+    the OS allows, so the engine's own steps come first), until done, stopped, or a limit
+    would be passed: the memory mappings (``MappingBudget``) or ``config.memory_limit_gb``
+    (``MemoryLimit``); the server goes on with what it has."""
     try:
       os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread, on Linux
     except (AttributeError, OSError):
       pass
-    budget = MappingBudget(len(self._pending))
+    limits = [MappingBudget(len(self._pending))]
+    if self.config.memory_limit_gb is not None:
+      limits.append(MemoryLimit(int(self.config.memory_limit_gb * 1e9)))
     for done, key in enumerate(self._pending, 1):
       if self._stopping.is_set():
         return
       try:
-        budget.check()
+        for limit in limits:
+          limit.check()
         seconds = self._place.compile(key)
       except ConfigError as e:
-        log.warning("background compile stopped: %s", e)
+        self._compile_stopped = f"{done - 1} of {len(self._pending)} compiled: {e}"
+        log.warning("background compile stopped after %d of %d programs: %s", done - 1,
+                    len(self._pending), e)
         return
       except Exception:  # the server keeps serving on the programs it has
         log.exception("background compile of %s failed", self._place.program_name(key))

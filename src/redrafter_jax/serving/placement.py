@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redrafter_jax import sharding as sh
 from redrafter_jax.config import ConfigError
-from redrafter_jax.hostmem import memory_mappings, release_free_memory
+from redrafter_jax.hostmem import memory_mappings, release_free_memory, resident_bytes
 from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
@@ -90,6 +90,37 @@ class MappingBudget:
           "and the process would abort. Compile fewer programs (fewer --trees, fewer --slots, "
           "a larger --min-context-bucket or a smaller --max-context) or raise the limit, e.g. "
           "`sysctl -w vm.max_map_count=262144`")
+
+
+class MemoryLimit:
+  """Stops a background compile before it takes the process's resident memory past ``limit``
+  bytes.
+
+  Every program compiled and kept holds host memory for as long as the server runs (XLA:CPU's
+  executable: tens of MB per server step program of SmolLM2-135M, about twice that when loaded
+  from the compilation cache), so a server that compiles every program it could meet ends far
+  above what its weights and cache take. ``check()`` before each compile raises ``ConfigError``
+  when the resident memory now, plus the most that one compile has added so far, would pass
+  the limit; the server then goes on with the programs it has (the covering set serves any
+  request, padded to a larger program). Serving itself can still add a little beyond it."""
+
+  def __init__(self, limit: int, probe=resident_bytes):
+    self.limit, self.probe = limit, probe
+    self.last = probe()  # None: no /proc, no check
+    self.most = 0  # the largest growth between two checks (one compile, and what ran beside)
+
+  def check(self) -> None:
+    now = self.probe()
+    if now is None or self.last is None:
+      return
+    self.most = max(self.most, now - self.last)
+    self.last = now
+    if now + self.most > self.limit:
+      raise ConfigError(
+          f"resident memory {now / 1e9:.2f} GB plus up to {self.most / 1e6:.0f} MB for the "
+          f"next program would pass the memory limit of {self.limit / 1e9:.2f} GB "
+          "(serve.memory_limit_gb, --memory-limit-gb); serving goes on with the programs "
+          "compiled, padding requests to larger ones")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,7 +199,8 @@ def engine_config(preset: Preset, serve: ServeConfig, llm_cfg) -> EngineConfig:
       max_tokens=serve.max_tokens,
       default_max_tokens=serve.default_max_tokens or preset.decode.max_new_tokens,
       max_queue=serve.max_queue, speculative=serve.speculative, decode=preset.decode,
-      min_context_bucket=serve.min_context_bucket, prefill_tokens=serve.prefill_tokens)
+      min_context_bucket=serve.min_context_bucket, prefill_tokens=serve.prefill_tokens,
+      memory_limit_gb=serve.memory_limit_gb)
 
 
 def build(preset: Preset, serve: ServeConfig | None = None, *,
