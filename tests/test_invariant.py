@@ -11,6 +11,8 @@ dependent perturbation of every projection (the kind of noise a shape-dependent 
 must differ; the invariant model, whose projections do not go through that code, must not.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -250,6 +252,13 @@ def test_invariant_bench_reports_and_goes_on_from_its_state(tmp_path, capsys):
   assert "every run equals AR batch 1 on 1/2 prompts (AR b2 1/2," in report
   assert main([*argv[:-4], "--max-new-tokens", "5", "--state", str(state)]) == 2
   assert "holds a run with other settings" in capsys.readouterr().err
+  # The same state without --no-cost: the kept runs, then the cost, one entry per prompt.
+  assert main([a for a in argv if a != "--no-cost"]) == 0
+  costs = json.loads(state.read_text())["costs"]
+  assert len(costs) == 2 and all(set(c) == {"AR b1|default", "AR b1|inv", "RD shipped b1|default",
+                                            "RD shipped b1|inv"} for c in costs)
+  assert all(v > 0 for c in costs for v in c.values())
+  assert re.search(r"\| AR b1 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out.read_text())
 
 
 @pytest.mark.slow  # the real model, two generate programs (~1-2 min)

@@ -648,7 +648,9 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
   assert place.compiled_programs() == 3
   everything = set(place.admission_programs() + place.step_programs())
   assert set(place.rest_programs()) == everything - set(cover)
-  assert place.rest_programs()[:2] == [("admit", 16, 1), ("admit", 32, 1)]  # short prompts first
+  rest = place.rest_programs()  # the smallest context's steps first, then short prompts
+  assert rest[:8] == [("step", b, m, 32) for b in (1, 2, 4) for m in ("ar", "spec")] + [
+      ("admit", 16, 1), ("admit", 32, 1)]
   assert engine._usable == {(4, 64)} and engine.costs.warm == {}  # timed between requests
   compiles = []
   compile_ = place.compile
@@ -745,7 +747,7 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
   pending = list(engine._pending)
   # 600, 700, 800, 900 MB + 100 fit 1 GB; at 1000 MB the next would pass it: 4 compiled.
   want_compiled = pending[:4]
-  assert want_compiled[2:] == [("step", 1, "ar", 32), ("step", 1, "spec", 32)]
+  assert want_compiled == [("step", b, m, 32) for b in (1, 2) for m in ("ar", "spec")]
   greedy = [0, 8, 2]
   engine.start()
   try:
@@ -760,13 +762,15 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
                                           "1.00 GB plus up to 100 MB")
     assert "memory limit of 1.00 GB" in progress["stopped"]
     assert [key for key in pending if place.compiled(key)] == want_compiled
-    assert (1, 32) in engine._usable and (2, 32) not in engine._usable
+    assert {(1, 32), (2, 32)} <= engine._usable and (1, 64) not in engine._usable
     results, _ = run_concurrently(
         engine, [GenerationRequest(PROMPTS[i], max_tokens=4) for i in greedy])
+    alone = engine.generate(GenerationRequest(PROMPTS[0], max_tokens=4)).token_ids
   finally:
     engine.stop()
   assert [r.token_ids for r in results] == [expected(reference[i], 4) for i in greedy]
-  assert not any(b == 2 for b, _ in engine.step_counts), engine.step_counts
+  assert alone == expected(reference[0], 4)
+  assert engine.context_counts[32] > 0 and any(b == 1 for b, _ in engine.step_counts)
   assert [key for key in pending if place.compiled(key)] == want_compiled  # none on demand
 
 

@@ -20,9 +20,10 @@ default and the invariant model, interleaved prompt by prompt in the same run, a
 
 The whole run takes an hour or more on a 2-core CPU. ``--state FILE`` keeps every finished run
 and prompt there, and a run started again with the same settings goes on from them. Compiled
-programs are dropped after each run and each cost prompt (``jax.clear_caches``): each prompt
-length compiles its own programs, and XLA:CPU maps each one's code into memory, so keeping a few
-hundred of them exhausts the process's memory mappings (LLVM: "Cannot allocate memory").
+programs are dropped after each run, and in the cost's prompts once they hold half the memory
+mappings (``jax.clear_caches``): each padded prompt length compiles its own programs, and
+XLA:CPU maps each one's code into memory, so keeping a few hundred of them exhausts the
+process's memory mappings (LLVM: "Cannot allocate memory").
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import sys
 import time
 
 import jax
+
+from redrafter_jax.hostmem import memory_mappings
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -140,6 +143,15 @@ def timed_per_token(call, prompts: list) -> float:
   return 1e3 * seconds / max(tokens, 1)
 
 
+def clear_when_crowded(share: float = 0.5) -> None:
+  """Drop the compiled programs (``jax.clear_caches``) once they hold more than ``share`` of
+  the process's memory mappings: prompts of one padded length share their programs, so the
+  cost's prompts keep them until then rather than compiling each prompt's again."""
+  held = memory_mappings()
+  if held is None or held[0] > share * held[1]:
+    jax.clear_caches()
+
+
 def run(o) -> str:
   from redrafter_jax.bench._common import load
   from redrafter_jax.bench.ar import read_prompts
@@ -182,7 +194,7 @@ def cost(state: State, prompts, ar, rd) -> dict:
   for p in prompts[len(state.costs):]:
     state.costs.append({f"{m}|{mode}": timed_per_token(call, [p])
                         for (m, mode), call in calls.items()})
-    jax.clear_caches()
+    clear_when_crowded()
     state.save()
   return {key: sum(c[f"{key[0]}|{key[1]}"] for c in state.costs) / len(state.costs)
           for key in calls}

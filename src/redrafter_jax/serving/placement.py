@@ -233,15 +233,20 @@ class Placement:
         ("step", cfg.slots, mode, max(self.context_buckets())) for mode in self.modes()]
 
   def rest_programs(self) -> list[tuple]:
-    """The programs ``cover_programs`` leaves out, in the order they pay once compiled:
-    single-prompt admissions by bucket (a short prompt no longer pads to the largest), then
-    the steps by context and row bucket (all modes of one together, as the policy compares
-    them), then the admissions of several prompts (bursts)."""
+    """The programs ``cover_programs`` leaves out, in the order they pay once compiled (what a
+    memory limit cuts is the end of it: ``MemoryLimit``): the steps at the smallest context
+    by row bucket (all modes of one together, as the policy compares them), as most requests
+    fit there and a step runs once per token (on the covering step it reads every slot and the
+    whole cache); then single-prompt admissions by bucket (a short prompt no longer pads to
+    the largest: once per request); then the steps at the larger contexts; then the
+    admissions of several prompts (bursts)."""
     cover = set(self.cover_programs())
     admit = [key for key in self.admission_programs() if key not in cover]
     steps = sorted((key for key in self.step_programs() if key not in cover),
                    key=lambda key: (key[3], key[1], self.modes().index(key[2])))
-    return [key for key in admit if key[2] == 1] + steps + [key for key in admit if key[2] > 1]
+    first = min(self.context_buckets())
+    return ([key for key in steps if key[3] == first] + [key for key in admit if key[2] == 1]
+            + [key for key in steps if key[3] != first] + [key for key in admit if key[2] > 1])
 
   @staticmethod
   def program_name(key: tuple) -> str:
