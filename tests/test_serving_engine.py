@@ -737,7 +737,7 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
   from redrafter_jax.serving import engine as engine_mod
   from redrafter_jax.serving.placement import MemoryLimit
 
-  rss = iter(range(500, 10_000, 100))  # MB: at creation, then +100 MB before each compile
+  rss = iter(range(500, 10_000, 100))  # MB: at creation, then +100 MB per compile
   monkeypatch.setattr(engine_mod, "MemoryLimit",
                       lambda limit: MemoryLimit(limit, probe=lambda: next(rss) * 10 ** 6))
   cfg = dataclasses.replace(ECFG, max_context=64, memory_limit_gb=1.0)
@@ -745,7 +745,8 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
   place = engine._place
   engine.warmup(background=True)
   pending = list(engine._pending)
-  # 600, 700, 800, 900 MB + 100 fit 1 GB; at 1000 MB the next would pass it: 4 compiled.
+  # Checked at 600 MB (+ ar and spec, nothing measured yet), 700 (+ spec's 100), 800 (+ ar's
+  # and spec's 100 each), 900 (+ 100); at 1000 MB the next group's 200 MB would pass 1 GB.
   want_compiled = pending[:4]
   assert want_compiled == [("step", b, m, 32) for b in (1, 2) for m in ("ar", "spec")]
   greedy = [0, 8, 2]
@@ -759,7 +760,7 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
     assert (progress["done"], progress["total"], progress["running"]) == (4, len(pending),
                                                                           False)
     assert progress["stopped"].startswith(f"4 of {len(pending)} compiled: resident memory "
-                                          "1.00 GB plus up to 100 MB")
+                                          "1.00 GB plus about 200 MB for the next 2 program")
     assert "memory limit of 1.00 GB" in progress["stopped"]
     assert [key for key in pending if place.compiled(key)] == want_compiled
     assert {(1, 32), (2, 32)} <= engine._usable and (1, 64) not in engine._usable
@@ -774,23 +775,27 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
   assert [key for key in pending if place.compiled(key)] == want_compiled  # none on demand
 
 
-def test_memory_limit_measures_each_compile_and_stops_before_passing_it():
-  """``MemoryLimit.check``: the largest growth between checks is the next program's estimate;
-  past the limit it raises a ConfigError naming the limit and the setting; no /proc: no
-  check."""
+def test_memory_limit_measures_each_kind_of_program_and_stops_before_passing_it():
+  """``MemoryLimit.check(kinds)``: the growth up to the next check is the kind just checked's
+  (an admission, a step mode); the next programs are estimated by the most their kind has
+  added (before any: the most of any kind), a step group's modes together; past the limit it
+  raises a ConfigError naming the limit and the setting; no /proc: no check."""
   from redrafter_jax.config import ConfigError
   from redrafter_jax.hostmem import resident_bytes
   from redrafter_jax.serving.placement import MemoryLimit
 
-  held = iter([1000, 1000, 1300, 1350, 1750])
-  limit = MemoryLimit(2000, probe=lambda: next(held))
-  limit.check()  # 1000 + 0
-  limit.check()  # 1300 + 300 <= 2000
-  limit.check()  # 1350 + 300 (the most so far, not the last 50) <= 2000
-  with pytest.raises(ConfigError, match=r"memory limit of 0.00 GB .*--memory-limit-gb"):
-    limit.check()  # 1750 + 400 (the most now) > 2000
+  held = iter([1000, 1000, 1300, 1350, 1400, 1600])  # MB
+  limit = MemoryLimit(2 * 10 ** 9, probe=lambda: next(held) * 10 ** 6)
+  limit.check(["step spec"])  # 1000 + 0: nothing measured yet
+  limit.check(["admit"])  # the spec step took 300; an admission: 1300 + 300 (any kind's most)
+  limit.check(["admit"])  # the admission took 50: 1350 + 50
+  limit.check(["step ar", "step spec"])  # 1400 + 300 (ar: any kind's most) + 300 <= 2000
+  assert limit.most == {"step spec": 300 * 10 ** 6, "admit": 50 * 10 ** 6}
+  with pytest.raises(ConfigError, match=r"1.60 GB plus about 500 MB for the next 2 program"
+                                        r".*memory limit of 2.00 GB .*--memory-limit-gb"):
+    limit.check(["step ar", "step spec"])  # ar took 200: 1600 + 200 + 300 > 2000
   unknown = MemoryLimit(1, probe=lambda: None)
-  unknown.check()
+  unknown.check(["admit"])
   assert resident_bytes() is None or resident_bytes() > 10 ** 7
 
 

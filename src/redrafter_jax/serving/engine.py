@@ -373,15 +373,18 @@ class Engine:
       os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread, on Linux
     except (AttributeError, OSError):
       pass
-    limits = [MappingBudget(len(self._pending))]
-    if self.config.memory_limit_gb is not None:
-      limits.append(MemoryLimit(int(self.config.memory_limit_gb * 1e9)))
+    mappings = MappingBudget(len(self._pending))
+    memory = (None if self.config.memory_limit_gb is None
+              else MemoryLimit(int(self.config.memory_limit_gb * 1e9)))
+    modes = self._place.modes()
     for done, key in enumerate(self._pending, 1):
       if self._stopping.is_set():
         return
       try:
-        for limit in limits:
-          limit.check()
+        mappings.check()
+        if memory is not None:  # a step's group (its modes from here on) fits, or none of it
+          memory.check(["admit"] if key[0] == "admit" else
+                       [f"step {m}" for m in modes[modes.index(key[2]):]])
         seconds = self._place.compile(key)
       except ConfigError as e:
         self._compile_stopped = f"{done - 1} of {len(self._pending)} compiled: {e}"

@@ -99,26 +99,35 @@ class MemoryLimit:
   Every program compiled and kept holds host memory for as long as the server runs (XLA:CPU's
   executable: tens of MB per server step program of SmolLM2-135M, about twice that when loaded
   from the compilation cache), so a server that compiles every program it could meet ends far
-  above what its weights and cache take. ``check()`` before each compile raises ``ConfigError``
-  when the resident memory now, plus the most that one compile has added so far, would pass
-  the limit; the server then goes on with the programs it has (the covering set serves any
-  request, padded to a larger program). Serving itself can still add a little beyond it."""
+  above what its weights and cache take. ``check(kinds)`` before each compile estimates what
+  the programs of ``kinds`` about to compile will add (per kind, such as an admission or a
+  step mode, the most that one of that kind has added so far, measured between checks; before
+  any, the most of any kind) and raises ``ConfigError`` when the resident memory now plus that
+  would pass the limit; the server then goes on with the programs it has (the covering set
+  serves any request, padded to a larger program). A step group's modes are checked together
+  (only a whole group is used). Serving itself can still add a little beyond the limit."""
 
   def __init__(self, limit: int, probe=resident_bytes):
     self.limit, self.probe = limit, probe
     self.last = probe()  # None: no /proc, no check
-    self.most = 0  # the largest growth between two checks (one compile, and what ran beside)
+    self.most: dict[str, int] = {}  # kind -> the largest growth one program of it caused
+    self.previous: str | None = None  # the kind checked last (compiled since)
 
-  def check(self) -> None:
+  def estimate(self, kind: str) -> int:
+    return self.most.get(kind, max(self.most.values(), default=0))
+
+  def check(self, kinds: Sequence[str]) -> None:
     now = self.probe()
     if now is None or self.last is None:
       return
-    self.most = max(self.most, now - self.last)
-    self.last = now
-    if now + self.most > self.limit:
+    if self.previous is not None:
+      self.most[self.previous] = max(self.most.get(self.previous, 0), now - self.last)
+    self.last, self.previous = now, kinds[0]
+    need = sum(self.estimate(kind) for kind in kinds)
+    if now + need > self.limit:
       raise ConfigError(
-          f"resident memory {now / 1e9:.2f} GB plus up to {self.most / 1e6:.0f} MB for the "
-          f"next program would pass the memory limit of {self.limit / 1e9:.2f} GB "
+          f"resident memory {now / 1e9:.2f} GB plus about {need / 1e6:.0f} MB for the next "
+          f"{len(kinds)} program(s) would pass the memory limit of {self.limit / 1e9:.2f} GB "
           "(serve.memory_limit_gb, --memory-limit-gb); serving goes on with the programs "
           "compiled, padding requests to larger ones")
 
