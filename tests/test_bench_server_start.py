@@ -23,6 +23,7 @@ def test_cold_then_warm_start(tmp_path, capsys):
     # ready on the covering programs; --settle waited for the background compile of the rest
     assert r["settled_s"] >= r["ready_s"] and r["settled_rss_mb"] > 0
     assert r["settled_programs"] > r["warmup_programs"]
+    assert r["first_token_s"] > 0 and r["settled_first_token_s"] > 0  # the short request
   assert runs[0]["warmup_programs"] and runs[0]["warmup_programs"] > 0
   text = out.read_text()
   assert "| 1 | cold |" in text and "| 2 | warm |" in text

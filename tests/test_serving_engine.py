@@ -644,13 +644,13 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
   place = engine._place
   engine.warmup(background=True)
   cover = place.cover_programs()
-  assert cover == [("admit", 64, 1), ("step", 4, "ar", 64), ("step", 4, "spec", 64)]
-  assert place.compiled_programs() == 3
+  assert cover == [("admit", 64, 1), ("admit", 16, 1), ("step", 4, "ar", 64),
+                   ("step", 4, "spec", 64)]  # 16: half the smallest context, 32
+  assert place.compiled_programs() == 4
   everything = set(place.admission_programs() + place.step_programs())
   assert set(place.rest_programs()) == everything - set(cover)
-  rest = place.rest_programs()  # the smallest context's steps first, then short prompts
-  assert rest[:8] == [("step", b, m, 32) for b in (1, 2, 4) for m in ("ar", "spec")] + [
-      ("admit", 16, 1), ("admit", 32, 1)]
+  rest = place.rest_programs()  # single prompts first, then the steps by context and rows
+  assert rest[:3] == [("admit", 32, 1), ("step", 1, "ar", 32), ("step", 1, "spec", 32)]
   assert engine._usable == {(4, 64)} and engine.costs.warm == {}  # timed between requests
   compiles = []
   compile_ = place.compile
@@ -662,7 +662,7 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
   try:
     got = [engine.generate(GenerationRequest(PROMPTS[i], max_tokens=4)).token_ids
            for i in greedy]
-    assert compiles == [] and place.compiled_programs() == 3
+    assert compiles == [] and place.compiled_programs() == 4
     assert set(engine.step_counts) <= {(4, "ar"), (4, "spec")}
     engine._pending = pending
     engine._compiler = threading.Thread(target=engine._compile_rest)
@@ -745,10 +745,10 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
   place = engine._place
   engine.warmup(background=True)
   pending = list(engine._pending)
-  # Checked at 600 MB (+ ar and spec, nothing measured yet), 700 (+ spec's 100), 800 (+ ar's
-  # and spec's 100 each), 900 (+ 100); at 1000 MB the next group's 200 MB would pass 1 GB.
-  want_compiled = pending[:4]
-  assert want_compiled == [("step", b, m, 32) for b in (1, 2) for m in ("ar", "spec")]
+  # Checked at 600 MB (+ an admission, nothing measured yet), 700 (+ ar and spec, 100 each as
+  # any kind's most), 800 (+ spec's 100), 900 (+ ar's and spec's 100 each: 1100 > 1000 MB).
+  want_compiled = pending[:3]
+  assert want_compiled == [("admit", 32, 1), ("step", 1, "ar", 32), ("step", 1, "spec", 32)]
   greedy = [0, 8, 2]
   engine.start()
   try:
@@ -757,13 +757,13 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
     while engine.compile_progress()["running"] and time.monotonic() < deadline:
       time.sleep(0.05)
     progress = engine.compile_progress()
-    assert (progress["done"], progress["total"], progress["running"]) == (4, len(pending),
+    assert (progress["done"], progress["total"], progress["running"]) == (3, len(pending),
                                                                           False)
-    assert progress["stopped"].startswith(f"4 of {len(pending)} compiled: resident memory "
-                                          "1.00 GB plus about 200 MB for the next 2 program")
+    assert progress["stopped"].startswith(f"3 of {len(pending)} compiled: resident memory "
+                                          "0.90 GB plus about 200 MB for the next 2 program")
     assert "memory limit of 1.00 GB" in progress["stopped"]
     assert [key for key in pending if place.compiled(key)] == want_compiled
-    assert {(1, 32), (2, 32)} <= engine._usable and (1, 64) not in engine._usable
+    assert (1, 32) in engine._usable and (2, 32) not in engine._usable
     results, _ = run_concurrently(
         engine, [GenerationRequest(PROMPTS[i], max_tokens=4) for i in greedy])
     alone = engine.generate(GenerationRequest(PROMPTS[0], max_tokens=4)).token_ids

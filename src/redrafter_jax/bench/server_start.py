@@ -6,9 +6,11 @@ the first, cold, run; the same folder, now filled, for the warm runs after it), 
 from the moment the process starts until it answers 200, then stops it with SIGTERM. Reported
 per run: seconds until the port answered, seconds until ready, the warm-up's program count (from
 the 503 progress bodies), the resident memory at ready and its peak (``VmRSS``, ``VmHWM`` from
-``/proc``), and the exit status; with ``--settle``, also the seconds until the background
-compile (the programs a covering warm-up leaves for later) is done and its steps timed (those
-that never pay dropped), the programs the server then holds, and the memory then. The
+``/proc``), the seconds a short chat request (``PROMPT``, one new token: its admission and
+prefill) takes once ready, and the exit status; with ``--settle``, also the seconds until the
+background compile (the programs a covering warm-up leaves for later) is done and its steps
+timed (those that never pay dropped), the programs the server then holds, the memory then, and
+the short request's seconds again. The
 drafter's per-device tree timing (``--tree auto``) has its own cache beside the model; the
 table says whether it was already there. With ``--out``, each run's server log (its start-up
 stages and every warm-up program's seconds; the ``/health`` polls left out) is kept beside the
@@ -51,6 +53,25 @@ def parse_args(argv):
   return args
 
 
+PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def first_token_seconds(port: int) -> float:
+  """Seconds for a greedy chat request of ``PROMPT`` with ``max_tokens`` 1 (its admission and
+  prefill, one token back)."""
+  import httpx
+
+  base = f"http://127.0.0.1:{port}/v1"
+  model = httpx.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
+  t0 = time.monotonic()
+  r = httpx.post(f"{base}/chat/completions", timeout=600, json={
+      "model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
+      "temperature": 0})
+  if r.status_code != 200:
+    raise RuntimeError(f"the short request got HTTP {r.status_code}: {r.text[:200]}")
+  return time.monotonic() - t0
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -67,8 +88,9 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
   with open(log_path, "w") as log:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
   out = dict(command=" ".join(cmd[1:]), listening_s=None, ready_s=None, warmup_programs=None,
-             rss_mb=None, peak_rss_mb=None, settled_s=None, settled_programs=None,
-             settled_rss_mb=None, exit_status=None, error=None)
+             rss_mb=None, peak_rss_mb=None, first_token_s=None, settled_s=None,
+             settled_programs=None, settled_rss_mb=None, settled_first_token_s=None,
+             exit_status=None, error=None)
   try:
     while time.monotonic() - t0 < args.timeout:
       if proc.poll() is not None:
@@ -87,6 +109,7 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
           mem = status_kb(proc.pid)
           out["rss_mb"] = mem.get("VmRSS", 0) / 1024
           out["peak_rss_mb"] = mem.get("VmHWM", 0) / 1024
+          out["first_token_s"] = first_token_seconds(port)
         compiling = r.json().get("compiling")
         if not args.settle or not compiling or not compiling["running"]:
           if args.settle:
@@ -94,6 +117,7 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
             out["settled_programs"] = (out["warmup_programs"] or 0) + (
                 compiling["done"] - compiling.get("dropped", 0) if compiling else 0)
             out["settled_rss_mb"] = status_kb(proc.pid).get("VmRSS", 0) / 1024
+            out["settled_first_token_s"] = first_token_seconds(port)
           break
         time.sleep(1.0)
         continue
@@ -106,6 +130,9 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
       time.sleep(0.2)
     else:
       out["error"] = f"not ready within {args.timeout:.0f} s (log: {log_path})"
+    return out
+  except RuntimeError as e:  # the short request failed
+    out["error"] = str(e)
     return out
   finally:
     if proc.poll() is None:
@@ -126,16 +153,19 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
            + (f" -- {' '.join(args.serve_args)}" if args.serve_args else "") + "`", "",
            f"{os.cpu_count()} CPUs; the tree timings of `--tree auto` were "
            f"{'already cached' if trees_cached else 'not cached (the first run timed them)'}.",
+           f"Short request: `{PROMPT}` (chat, greedy, one new token).",
            "", "| run | compile cache | port answers (s) | ready (s) | warm-up programs "
-           "| RSS at ready (MB) | peak RSS (MB) | all compiled (s) | programs held then "
-           "| RSS then (MB) | exit | error |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| RSS at ready (MB) | peak RSS (MB) | short request (s) | all compiled (s) "
+           "| programs held then | RSS then (MB) | short request then (s) | exit | error |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for i, r in enumerate(runs):
     lines.append(f"| {i + 1} | {'cold' if i == 0 else 'warm'} | {fmt(r['listening_s'])} "
                  f"| {fmt(r['ready_s'])} | {fmt(r['warmup_programs'], '{}')} "
                  f"| {fmt(r['rss_mb'], '{:.0f}')} | {fmt(r['peak_rss_mb'], '{:.0f}')} "
+                 f"| {fmt(r.get('first_token_s'), '{:.2f}')} "
                  f"| {fmt(r.get('settled_s'))} | {fmt(r.get('settled_programs'), '{}')} "
                  f"| {fmt(r.get('settled_rss_mb'), '{:.0f}')} "
+                 f"| {fmt(r.get('settled_first_token_s'), '{:.2f}')} "
                  f"| {fmt(r['exit_status'], '{}')} | {r['error'] or ''} |")
   return "\n".join(lines) + "\n"
 

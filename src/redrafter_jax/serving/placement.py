@@ -234,28 +234,34 @@ class Placement:
             for c in self.context_buckets()]
 
   def cover_programs(self) -> list[tuple]:
-    """The fewest programs that serve any request: one prompt of the largest bucket (every
-    prompt pads into it, and a burst is admitted one prompt per call) and each mode's step
-    over all slots at the largest context (it holds any rows and any context)."""
+    """The fewest programs that serve any request without a long wait: one prompt of the
+    largest bucket (every prompt pads into it, and a burst is admitted one prompt per call),
+    one prompt of the bucket of half the smallest context (``short_bucket``: a prompt padded
+    to the largest bucket prefills all of it, ~30x longer than at 128 tokens on a 2-core CPU),
+    and each mode's step over all slots at the largest context (it holds any rows and any
+    context)."""
     cfg = self.config
-    return [("admit", max(self.buckets()), 1)] + [
+    admit = sorted({max(self.buckets()), self.short_bucket()}, reverse=True)
+    return [("admit", T, 1) for T in admit] + [
         ("step", cfg.slots, mode, max(self.context_buckets())) for mode in self.modes()]
+
+  def short_bucket(self) -> int:
+    """The prompt bucket of half the smallest context bucket: a request whose prompt and reply
+    fit that context (those the first steps compiled serve) has a prompt shorter than it."""
+    return prompt_bucket(max(min(self.context_buckets()) // 2, 1), self.config.min_bucket,
+                         max(self.buckets()))
 
   def rest_programs(self) -> list[tuple]:
     """The programs ``cover_programs`` leaves out, in the order they pay once compiled (what a
-    memory limit cuts is the end of it: ``MemoryLimit``): the steps at the smallest context
-    by row bucket (all modes of one together, as the policy compares them), as most requests
-    fit there and a step runs once per token (on the covering step it reads every slot and the
-    whole cache); then single-prompt admissions by bucket (a short prompt no longer pads to
-    the largest: once per request); then the steps at the larger contexts; then the
-    admissions of several prompts (bursts)."""
+    memory limit cuts is the end of it: ``MemoryLimit``): single-prompt admissions by bucket
+    (a short prompt no longer pads to a larger bucket; each holds less memory than a step),
+    then the steps by context and row bucket (all modes of one together, as the policy
+    compares them), then the admissions of several prompts (bursts)."""
     cover = set(self.cover_programs())
     admit = [key for key in self.admission_programs() if key not in cover]
     steps = sorted((key for key in self.step_programs() if key not in cover),
                    key=lambda key: (key[3], key[1], self.modes().index(key[2])))
-    first = min(self.context_buckets())
-    return ([key for key in steps if key[3] == first] + [key for key in admit if key[2] == 1]
-            + [key for key in steps if key[3] != first] + [key for key in admit if key[2] > 1])
+    return [key for key in admit if key[2] == 1] + steps + [key for key in admit if key[2] > 1]
 
   @staticmethod
   def program_name(key: tuple) -> str:
