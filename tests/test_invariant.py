@@ -259,6 +259,14 @@ def test_invariant_bench_reports_and_goes_on_from_its_state(tmp_path, capsys):
                                             "RD shipped b1|inv"} for c in costs)
   assert all(v > 0 for c in costs for v in c.values())
   assert re.search(r"\| AR b1 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out.read_text())
+  # --cost-only: the timing alone, no identity run.
+  only = [a for a in argv if a != "--no-cost"]
+  only[only.index("--state") + 1] = str(tmp_path / "cost.json")
+  assert main([*only, "--cost-only"]) == 0
+  report = out.read_text()
+  assert "Invariant mode's cost" in report and "| RD shipped b1 |" in report
+  assert "every run equals" not in report
+  assert json.loads((tmp_path / "cost.json").read_text())["runs"] == {}
 
 
 @pytest.mark.slow  # the real model, two generate programs (~1-2 min)

@@ -17,6 +17,7 @@ control: its batch-4 differences are the batch-shape noise the invariant mode re
 Cost: milliseconds per new token (wall time of a call, prefill included, compile excluded by an
 untimed first call of every shape) of AR batch 1 and ReDrafter (shipped tree) batch 1, for the
 default and the invariant model, interleaved prompt by prompt in the same run, and their ratio.
+``--cost-only`` runs the timing alone (it wants a quiet machine; the identity runs do not).
 
 The whole run takes an hour or more on a 2-core CPU. ``--state FILE`` keeps every finished run
 and prompt there, and a run started again with the same settings goes on from them. Compiled
@@ -54,7 +55,10 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--drafter", default="shipped",
                  help="drafter folder, 'shipped' (checkpoints/) or 'random'")
   p.add_argument("--batch", type=int, default=4, help="the batched runs' batch size")
-  p.add_argument("--no-cost", action="store_true", help="skip the timing of both modes")
+  only = p.add_mutually_exclusive_group()
+  only.add_argument("--no-cost", action="store_true", help="skip the timing of both modes")
+  only.add_argument("--cost-only", action="store_true",
+                    help="only the timing of both modes (no identity runs)")
   p.add_argument("--out", type=pathlib.Path, default=None, help="also write the report here")
   p.add_argument("--state", type=pathlib.Path, default=None,
                  help="keep finished runs here and go on from them when started again "
@@ -174,6 +178,10 @@ def run(o) -> str:
   B = o.batch
   state = State(o.state, {"model": o.model, "drafter": o.drafter, "prompts": str(o.prompts),
                           "num_prompts": o.num_prompts, "max_new_tokens": N, "batch": B})
+  if o.cost_only:
+    return "\n".join([f"# Invariant mode's cost, {o.model}, bfloat16 activations and weights, "
+                      f"greedy, {N} new tokens, {len(prompts)} prompts; drafter {o.drafter}",
+                      "", *cost_table(cost(state, prompts, ar, rd))])
   runs = {"AR b1": state.run("invariant AR b1", ar["inv"], prompts, 1),
           f"AR b{B}": state.run(f"invariant AR b{B}", ar["inv"], prompts, B)}
   for name in trees(o.drafter, N):
@@ -225,11 +233,17 @@ def report(o, prompts, runs: dict, control: dict, costs: dict | None) -> str:
             + ", ".join(f"{k} {v}/{n}" for k, v in same.items())
             + f"). Default control: AR b{o.batch} equals AR b1 on {ctrl}/{n}."]
   if costs:
-    lines += ["", "| method | default ms/token | invariant ms/token | ratio |", "|---|---|---|---|"]
-    for method in ("AR b1", "RD shipped b1"):
-      d, v = costs[(method, "default")], costs[(method, "inv")]
-      lines.append(f"| {method} | {d:.1f} | {v:.1f} | {v / d:.2f}x |")
+    lines += ["", *cost_table(costs)]
   return "\n".join(lines)
+
+
+def cost_table(costs: dict) -> list[str]:
+  """``cost``'s means as a table: per method, both modes' ms per token and their ratio."""
+  lines = ["| method | default ms/token | invariant ms/token | ratio |", "|---|---|---|---|"]
+  for method in ("AR b1", "RD shipped b1"):
+    d, v = costs[(method, "default")], costs[(method, "inv")]
+    lines.append(f"| {method} | {d:.1f} | {v:.1f} | {v / d:.2f}x |")
+  return lines
 
 
 def main(argv=None) -> int:

@@ -402,8 +402,8 @@ class Engine:
     (all modes) the background thread has compiled since, timing them first for the policy;
     once it is done, settle one context bucket (``_settle``)."""
     new = self._adoptable()
-    self._untimed = set()
     if new:
+      self._untimed = set()
       timed = self._time_groups(new)
       self._usable.update(new)
       log.info("steps for (rows, context) %s timed and in use%s", sorted(new), timed)
@@ -429,16 +429,20 @@ class Engine:
     compiles), and drop those a larger rows bucket matches or beats there."""
     groups = sorted(g for g in self._usable if g[1] == context)
     log.info("steps at context %d timed together%s", context, self._time_groups(groups))
+    self._untimed -= set(groups)
     self._drop_dominated({context})
 
   def _adoptable(self) -> list[tuple[int, int]]:
     """The (rows, context) step groups compiled but not yet timed and in use: those whose
-    every mode the background thread has compiled since, and the covering set's."""
+    every mode the background thread has compiled since, with the covering set's (timed
+    beside the first of them, not at once: alone, the covering steps have nothing to be
+    compared with, and timing them as the server gets ready would hold its first request;
+    ``_settle`` times them at the latest)."""
     place = self._place
     new = [(b, c) for b in place.row_buckets() for c in place.context_buckets()
            if (b, c) not in self._usable
            and all(place.compiled(("step", b, m, c)) for m in place.modes())]
-    return new + sorted(self._untimed)
+    return new + sorted(self._untimed) if new else []
 
   def _drop_dominated(self, contexts) -> None:
     """Drop the step groups at ``contexts`` that a larger rows bucket at the same context
