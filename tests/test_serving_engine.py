@@ -750,6 +750,11 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
   want_compiled = pending[:3]
   assert want_compiled == [("admit", 32, 1), ("step", 1, "ar", 32), ("step", 1, "spec", 32)]
   greedy = [0, 8, 2]
+  settled, settle = [], engine._settle
+  def settle_after_compile(context):  # each context once, after the background compile ends
+    settled.append((context, engine._compiler.is_alive()))
+    settle(context)
+  engine._settle = settle_after_compile
   engine.start()
   try:
     engine._compiler.join(300)
@@ -764,6 +769,7 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
     assert "memory limit of 1.00 GB" in progress["stopped"]
     assert [key for key in pending if place.compiled(key)] == want_compiled
     assert (1, 32) in engine._usable and (2, 32) not in engine._usable
+    assert settled == [(32, False), (64, False)]
     results, _ = run_concurrently(
         engine, [GenerationRequest(PROMPTS[i], max_tokens=4) for i in greedy])
     alone = engine.generate(GenerationRequest(PROMPTS[0], max_tokens=4)).token_ids

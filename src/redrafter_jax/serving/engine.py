@@ -290,6 +290,8 @@ class Engine:
     self._unsettled: list[int] = []  # contexts whose steps are to be timed together (``_settle``)
     self._compiler: threading.Thread | None = None
     self._compile_stopped: str | None = None  # why the background compile stopped early
+    self._compile_done = threading.Event()  # cleared while a background compile has work
+    self._compile_done.set()
 
   # ------------------------------------------------------------------ public API (any thread)
 
@@ -321,6 +323,8 @@ class Engine:
     self._usable = {(b, c) for b, _, _, c in costs}
     if background:
       self._pending = place.rest_programs()
+      if self._pending:
+        self._compile_done.clear()  # set by ``_compile_rest`` when it ends
       place.compile_on_demand = False  # admissions run on compiled covers meanwhile
       self._untimed = {(key[1], key[3]) for key in keys if key[0] == "step"}
       self._unsettled = list(place.context_buckets())
@@ -370,6 +374,13 @@ class Engine:
     would be passed: the memory mappings (``MappingBudget``) or ``config.memory_limit_gb``
     (``MemoryLimit``); the server goes on with what it has."""
     try:
+      self._compile_programs()
+    finally:
+      self._compile_done.set()  # the engine may settle now (``_settle``)
+
+  def _compile_programs(self) -> None:
+    """``_compile_rest``'s loop."""
+    try:
       os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread, on Linux
     except (AttributeError, OSError):
       pass
@@ -407,7 +418,7 @@ class Engine:
       timed = self._time_groups(new)
       self._usable.update(new)
       log.info("steps for (rows, context) %s timed and in use%s", sorted(new), timed)
-    elif self._unsettled and not (self._compiler is not None and self._compiler.is_alive()):
+    elif self._unsettled and self._compile_done.is_set():
       self._settle(self._unsettled[0])
       del self._unsettled[0]  # after: ``compile_progress`` says running until the drop is done
 
