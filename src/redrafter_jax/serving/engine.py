@@ -363,7 +363,7 @@ class Engine:
     limit: ``MappingBudget``, ``MemoryLimit``), or None."""
     place = self._place
     done = sum(place.compiled(key) or key in place.dropped for key in self._pending)
-    running = (self._compiler is not None and self._compiler.is_alive()) or (
+    running = not self._compile_done.is_set() or (
         bool(self._pending) and bool(self._unsettled or self._adoptable()))
     return {"done": done, "total": len(self._pending), "running": running,
             "dropped": len(place.dropped), "stopped": self._compile_stopped}

@@ -237,7 +237,7 @@ class Placement:
     """The fewest programs that serve any request without a long wait: one prompt of the
     largest bucket (every prompt pads into it, and a burst is admitted one prompt per call),
     one prompt of the bucket of half the smallest context (``short_bucket``: a prompt padded
-    to the largest bucket prefills all of it, ~30x longer than at 128 tokens on a 2-core CPU),
+    to the largest bucket prefills all of it, which takes many times longer; docs/serving.md),
     and each mode's step over all slots at the largest context (it holds any rows and any
     context)."""
     cfg = self.config
