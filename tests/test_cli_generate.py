@@ -238,6 +238,66 @@ def test_drafter_recorded_settings_are_the_defaults(folder, recorded_drafter, us
                                       param_dtype="bfloat16")  # greedy ReDrafter = AR
 
 
+@pytest.fixture
+def timed_drafter(recorded_drafter, tmp_path, monkeypatch):
+  """``recorded_drafter`` with an acceptance table (tree 2x3 at 1.5 tokens/step), the per-device
+  timing cache in ``tmp_path`` and step times set by the test: ``set_times(tree_s, ar_s)``."""
+  import shutil
+
+  from redrafter_jax.inference import tree_choice
+
+  folder = tmp_path / "d"
+  shutil.copytree(recorded_drafter, folder)
+  tree_choice.write_acceptance(folder, {"2x3": dict(tokens_per_step=1.5, steps=4, tokens=6)}, {})
+  monkeypatch.setattr(tree_choice, "timing_cache", lambda root=None: tmp_path / "trees")
+  times = {}
+
+  def time_steps(llm, drafter, candidates, **kwargs):
+    return {**{b.text: times["tree"] for b in candidates}, "ar": times["ar"]}
+
+  monkeypatch.setattr(tree_choice, "time_steps", time_steps)
+  return folder, lambda tree_s, ar_s: times.update(tree=tree_s, ar=ar_s)
+
+
+def test_auto_tree_is_the_default_and_runs_when_it_pays(folder, timed_drafter, used, capsys):
+  drafter, set_times = timed_drafter
+  set_times(0.010, 0.010)  # 1.5 tokens per step at AR's step time: predicted 1.5x
+  rc, out, err = cli(capsys, "--model", folder, "--prompt", "w1 w2 w3", "--max-new-tokens", 10,
+                     "--runs", 1, "--drafter", drafter)
+  assert rc == 0, err
+  (cfg,) = used["configs"]
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram) == (2, 3, 0)
+  assert "(tree: fastest on this device)" in settings_line(err)
+  assert "predicted faster than AR" not in err
+  assert out.strip() == expected_text(folder, "w1 w2 w3", max_new_tokens=10,
+                                      param_dtype="bfloat16")
+
+
+def test_auto_decodes_with_ar_where_no_tree_pays(folder, timed_drafter, used, capsys):
+  """A tree predicted slower than AR (here 1.5 tokens per step at 5x AR's step time) is not
+  run: greedy ReDrafter gives AR's tokens, so AR is the faster way to the same text."""
+  drafter, set_times = timed_drafter
+  set_times(0.050, 0.010)
+  rc, out, err = cli(capsys, "--model", folder, "--prompt", "w1 w2 w3", "--max-new-tokens", 10,
+                     "--runs", 1, "--drafter", drafter)
+  assert rc == 0, err
+  assert used["configs"] == []  # no ReDrafter was built
+  assert ("no draft tree is predicted faster than AR here (best tree 2x3, predicted 0.30x AR "
+          "at batch 1): decoding with AR") in err
+  assert settings_line(err) == "settings: float32 activations, bfloat16 weights; AR"
+  assert err.strip().splitlines()[-1].startswith("ar: ")
+  assert out.strip() == expected_text(folder, "w1 w2 w3", max_new_tokens=10,
+                                      param_dtype="bfloat16")
+  # asked for a comparison, it runs the best tree beside AR all the same
+  rc, _, err = cli(capsys, "--model", folder, "--prompt", "w1 w2 w3", "--max-new-tokens", 10,
+                   "--runs", 1, "--drafter", drafter, "--compare-ar")
+  assert rc == 0, err
+  (cfg,) = used["configs"]
+  assert (cfg.beam_width, cfg.beam_length) == (2, 3)
+  assert "comparing AR with that tree, as asked" in err
+  assert err.strip().splitlines()[-1].endswith("tokens identical")
+
+
 def test_flags_override_the_recorded_settings(folder, recorded_drafter, used, capsys):
   from redrafter_jax.config import DecodeConfig
 
@@ -335,5 +395,5 @@ def test_every_command_help_shows_its_defaults(capsys):
     main(["generate", "--help"])
   help_text = " ".join(capsys.readouterr().out.split())
   assert "tokens to generate at most (default: 128)" in help_text
-  assert "(default: recorded)" in help_text and "auto}" in help_text  # --param-dtype auto
+  assert "(default: auto)" in help_text and "auto}" in help_text  # --tree, --param-dtype auto
 

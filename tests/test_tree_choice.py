@@ -63,6 +63,11 @@ def test_choose_maximises_tokens_per_second():
   assert [r[0] for r in c.rows] == [Beams(2, 3), Beams(1, 4, 3, 5), Beams(4, 5, 3, 16)]
   assert c.predicted_speedup == pytest.approx(1.4 * 0.025 / 0.020)
   assert "<- chosen" in c.table().splitlines()[1]
+  assert c.pays and c.verdict() == "best tree 2x3, predicted 1.75x AR at batch 1"
+  slow = tree_choice.choose(tps, {**seconds, "ar": 0.010})  # 2x3: 1.4 x 10 ms / 20 ms
+  assert not slow.pays and slow.verdict() == (
+      "no draft tree is predicted faster than AR here (best tree 2x3, predicted 0.70x AR at "
+      "batch 1)")
   cfg = c.config(tree_choice.Beams(4, 5, 3, 16).config(draft_vocab_size=64, max_new_tokens=9))
   assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget,
           cfg.draft_vocab_size, cfg.max_new_tokens) == (2, 3, 0, None, 64, 9)

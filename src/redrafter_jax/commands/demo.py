@@ -82,6 +82,9 @@ def run(args) -> int:
   if resolved.choice is not None:
     print(f"draft trees on this device (batch 1, tokens/step from the drafter's "
           f"{tree_choice.ACCEPTANCE_FILE}):\n{resolved.choice.table()}", flush=True)
+    if resolved.decode_ar:
+      print(f"{resolved.choice.verdict()}: the demo runs it to show ReDrafter; `generate` "
+            "decodes with AR here", flush=True)
   cfg = resolved.config
   # Built once: the models are split and the draft vocabulary restricted here, not per call.
   redrafter = ReDrafter(llm, drafter, cfg)

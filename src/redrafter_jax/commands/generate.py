@@ -6,11 +6,13 @@ reported: ``first call`` (compile + run) and ``steady state`` (the fastest of th
 calls), each as new tokens / wall seconds of the whole call (prefill included).
 
 Settings not given resolve as everywhere else (``inference.defaults``): with ``--drafter``, the
-drafter's recorded tree, draft vocabulary and weight precision (its decode.json; the shipped
-drafter's are the ones measured to pay on a CPU), ``--tree auto`` for the tree predicted fastest
-on this device; "auto" weights otherwise. A flag always wins. ``--compare-ar`` decodes the prompt
-with AR and with ReDrafter on the same loaded model, runs interleaved, and prints both speeds,
-the speed-up and whether the tokens are identical.
+tree predicted fastest on this device (``--tree auto``, as ``demo`` and ``serve``; ``--tree
+recorded`` for the drafter's decode.json tree), the drafter's draft vocabulary and weight
+precision; "auto" weights otherwise. A flag always wins. Where no tree is predicted faster than
+AR on this device, the command says so and decodes with AR: greedy ReDrafter gives AR's tokens,
+so AR is the faster way to the same text. ``--compare-ar`` decodes the prompt with AR and with
+ReDrafter (the best tree even where it does not pay) on the same loaded model, runs
+interleaved, and prints both speeds, the speed-up and whether the tokens are identical.
 """
 
 from __future__ import annotations
@@ -63,10 +65,11 @@ def add_arguments(p) -> None:
   g.add_argument("--compare-ar", action="store_true",
                  help="also decode with plain AR on the same model (runs interleaved) and print "
                  "both speeds, the speed-up and whether the tokens are identical")
-  g.add_argument("--tree", choices=TREES, default="recorded",
-                 help="the draft tree when W, L, lookup and N are not given: recorded = the "
-                 "drafter's decode.json (else W=4 L=5); auto = the one predicted fastest on this "
-                 "device (its step times are measured once and cached)")
+  g.add_argument("--tree", choices=TREES, default="auto",
+                 help="the draft tree when W, L, lookup and N are not given: auto = the one "
+                 "predicted fastest on this device (its step times are measured once and "
+                 "cached; AR where no tree is predicted faster, unless --compare-ar); recorded "
+                 "= the drafter's decode.json (else W=4 L=5)")
   g.add_argument("--beam-width", type=int, default=None,
                  help="W: beams drafted per step (default: from --tree)")
   g.add_argument("--beam-length", type=int, default=None,
@@ -266,6 +269,12 @@ def run(args) -> int:
     drafter = load_drafter(resolve_drafter(args.drafter))
     resolved = settings(args, llm=model, drafter=drafter, log=note)
     cfg = resolved.config
+    if resolved.decode_ar:
+      note(f"{resolved.choice.verdict()}: " + (
+          "comparing AR with that tree, as asked" if args.compare_ar else
+          "decoding with AR, the same tokens (--tree recorded or a tree flag forces a tree)"))
+      if not args.compare_ar:
+        cfg = None
   # Fails with the numbers when the prompt + new tokens do not fit the model's context.
   extra = 1 if cfg is None else cfg.beam_length + cfg.num_tree_tokens
   cache_size_for(len(prompt_ids), args.max_new_tokens, extra,

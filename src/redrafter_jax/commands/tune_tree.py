@@ -109,4 +109,6 @@ def run(args) -> int:
   print(choice.table())
   print(f"chosen for this device: {choice.beams.text} ({choice.beams.label}), predicted "
         f"{choice.predicted_speedup:.2f}x AR at batch 1")
+  if not choice.pays:
+    print(f"{choice.verdict()}; `generate` will decode with AR (the same tokens)")
   return 0

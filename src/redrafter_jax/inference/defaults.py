@@ -10,7 +10,10 @@ one found wins:
 1. what the caller gives (a command-line flag, a keyword);
 2. with ``tree="auto"``, and no tree setting given: the tree predicted fastest on this device
    (``tree_choice.tuned``: the drafter's measured tokens/step per tree over step times taken
-   here once and cached); skipped when the drafter has no acceptance table;
+   here once and cached); skipped when the drafter has no acceptance table. When even that tree
+   is predicted slower than AR (a weak drafter on a device where verifying several tokens costs
+   much more than one), ``Settings.decode_ar`` says so: ``generate`` then decodes with AR, which
+   gives the same greedy tokens, faster;
 3. the drafter's own settings (its ``decode.json``: ``weights.shipped.recommended_config``,
    ``param_dtype_for``);
 4. the library's: W=4, L=5, no lookup, the whole tree and vocabulary; "auto" weights
@@ -54,6 +57,11 @@ class Settings:
   config: DecodeConfig
   tree_from: str
   choice: object = None
+
+  @property
+  def decode_ar(self) -> bool:
+    """The tree was chosen for this device and no tree is predicted faster than AR here."""
+    return self.tree_from == "device" and not self.choice.pays
 
   def describe(self) -> str:
     """One line: the tree, budget and vocabulary, and where the tree came from."""

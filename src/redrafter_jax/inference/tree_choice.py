@@ -237,6 +237,17 @@ class Choice:
   def predicted_speedup(self) -> float:
     return self.rows[0][3]
 
+  @property
+  def pays(self) -> bool:
+    """Whether the best tree is predicted faster than AR here (where it is not, a decode that
+    only wants speed is better off with AR: the same tokens, ``defaults.Settings.decode_ar``)."""
+    return self.predicted_speedup > 1.0
+
+  def verdict(self) -> str:
+    """One line: the best tree's predicted speed-up, and what to do when it does not pay."""
+    best = f"best tree {self.beams.text}, predicted {self.predicted_speedup:.2f}x AR at batch 1"
+    return best if self.pays else f"no draft tree is predicted faster than AR here ({best})"
+
   def config(self, base: DecodeConfig) -> DecodeConfig:
     """``base`` with this tree (its other settings kept)."""
     return dataclasses.replace(base, beam_width=self.beams.width, beam_length=self.beams.length,
