@@ -24,11 +24,22 @@ def test_cold_then_warm_start(tmp_path, capsys):
     assert r["settled_s"] >= r["ready_s"] and r["settled_rss_mb"] > 0
     assert r["settled_programs"] > r["warmup_programs"]
     assert r["first_token_s"] > 0 and r["settled_first_token_s"] > 0  # the short request
+    assert r["pauses"] >= 1 and r["longest_pause_s"] > 0  # steps timed between requests
   assert runs[0]["warmup_programs"] and runs[0]["warmup_programs"] > 0
   text = out.read_text()
   assert "| 1 | cold |" in text and "| 2 | warm |" in text
   log = (tmp_path / "start-run1.log").read_text()
   assert "warm-up 1/" in log and "ready in" in log and "GET /health" not in log
+
+
+def test_pauses_are_read_from_the_servers_log():
+  from redrafter_jax.serving.engine import PAUSE_LOG
+
+  log = (f"INFO engine: steps for (rows, context) [(1, 32)] timed and in use\n"
+         f"INFO engine: {PAUSE_LOG} 0.42 s\nINFO engine: steps at context 32 timed together\n"
+         f"INFO engine: {PAUSE_LOG} 1.50 s\nINFO app: GET /health 200\n")
+  assert server_start.pause_seconds(log) == [0.42, 1.5]
+  assert server_start.pause_seconds("INFO nothing here\n") == []
 
 
 def test_bad_arguments():

@@ -2,6 +2,7 @@
 strings, cancellation, AR mode and a model sharded over 8 (fake) devices."""
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -633,7 +634,7 @@ def test_warmup_compiles_everything_serving_meets(llm, tok, random_drafter, refe
 
 
 def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
-    llm, tok, random_drafter, reference):
+    llm, tok, random_drafter, reference, caplog):
   """``warmup(background=True)`` compiles only the covering set (the largest prompt bucket for
   one prompt; each mode's step over all slots at the largest context), untimed; requests of
   every bucket are served on it at once, padded, with the same greedy tokens and no compile on
@@ -642,6 +643,7 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
   cfg = dataclasses.replace(ECFG, max_context=64)
   engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
   place = engine._place
+  caplog.set_level(logging.INFO, logger="redrafter_jax.serving.engine")
   engine.warmup(background=True)
   cover = place.cover_programs()
   assert cover == [("admit", 64, 1), ("admit", 16, 1), ("step", 4, "ar", 64),
@@ -676,6 +678,14 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
       time.sleep(0.05)  # adopted between requests
     assert not engine.compile_progress()["running"] and engine._unsettled == []
     assert place.compiled_programs() + len(place.dropped) == len(everything)
+    # each adoption and each settle was one pause between requests, logged with its seconds
+    from redrafter_jax.bench.server_start import pause_seconds
+
+    pauses = pause_seconds(caplog.text)
+    adopted = caplog.text.count("timed and in use")
+    settled = caplog.text.count("timed together")
+    assert adopted >= 1 and settled == 2  # contexts 32 and 64
+    assert len(pauses) == adopted + settled and all(s > 0 for s in pauses)
     # Every step group timed and in use, or dropped as a larger rows bucket beat it (timed
     # together at each context once the compile was done: policy.dominated); never the
     # all-slots one.

@@ -10,7 +10,9 @@ the 503 progress bodies), the resident memory at ready and its peak (``VmRSS``, 
 prefill) takes once ready, and the exit status; with ``--settle``, also the seconds until the
 background compile (the programs a covering warm-up leaves for later) is done and its steps
 timed (those that never pay dropped), the programs the server then holds, the memory then, and
-the short request's seconds again. The
+the short request's seconds again, and the pauses between requests in which the engine timed
+newly compiled steps (a request arriving then waits: their count and the longest, from the
+server's log). The
 drafter's per-device tree timing (``--tree auto``) has its own cache beside the model; the
 table says whether it was already there. With ``--out``, each run's server log (its start-up
 stages and every warm-up program's seconds; the ``/health`` polls left out) is kept beside the
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -90,7 +93,7 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
   out = dict(command=" ".join(cmd[1:]), listening_s=None, ready_s=None, warmup_programs=None,
              rss_mb=None, peak_rss_mb=None, first_token_s=None, settled_s=None,
              settled_programs=None, settled_rss_mb=None, settled_first_token_s=None,
-             exit_status=None, error=None)
+             pauses=None, longest_pause_s=None, exit_status=None, error=None)
   try:
     while time.monotonic() - t0 < args.timeout:
       if proc.poll() is not None:
@@ -143,6 +146,18 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
         proc.kill()
         proc.wait()
     out["exit_status"] = proc.returncode
+    if args.settle:
+      seconds = pause_seconds(log_path.read_text())
+      out["pauses"], out["longest_pause_s"] = len(seconds), max(seconds, default=None)
+
+
+def pause_seconds(log_text: str) -> list[float]:
+  """The seconds of each pause between requests the server's log records
+  (``engine.PAUSE_LOG``)."""
+  from redrafter_jax.serving.engine import PAUSE_LOG
+
+  pattern = re.compile(re.escape(PAUSE_LOG) + r" ([0-9.]+) s")
+  return [float(m.group(1)) for m in pattern.finditer(log_text)]
 
 
 def table(args, runs: list[dict], trees_cached: bool) -> str:
@@ -156,8 +171,9 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
            f"Short request: `{PROMPT}` (chat, greedy, one new token).",
            "", "| run | compile cache | port answers (s) | ready (s) | warm-up programs "
            "| RSS at ready (MB) | peak RSS (MB) | short request (s) | all compiled (s) "
-           "| programs held then | RSS then (MB) | short request then (s) | exit | error |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| programs held then | RSS then (MB) | short request then (s) | pauses "
+           "| longest pause (s) | exit | error |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for i, r in enumerate(runs):
     lines.append(f"| {i + 1} | {'cold' if i == 0 else 'warm'} | {fmt(r['listening_s'])} "
                  f"| {fmt(r['ready_s'])} | {fmt(r['warmup_programs'], '{}')} "
@@ -166,6 +182,7 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
                  f"| {fmt(r.get('settled_s'))} | {fmt(r.get('settled_programs'), '{}')} "
                  f"| {fmt(r.get('settled_rss_mb'), '{:.0f}')} "
                  f"| {fmt(r.get('settled_first_token_s'), '{:.2f}')} "
+                 f"| {fmt(r.get('pauses'), '{}')} | {fmt(r.get('longest_pause_s'), '{:.2f}')} "
                  f"| {fmt(r['exit_status'], '{}')} | {r['error'] or ''} |")
   return "\n".join(lines) + "\n"
 

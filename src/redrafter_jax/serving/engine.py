@@ -50,6 +50,9 @@ from redrafter_jax.serving.request import (Delta, EngineStopped, Event, Failed, 
 from redrafter_jax.serving.textstream import TextStream, decoder_for
 
 log = logging.getLogger(__name__)
+# The log line of each pause between requests in which the engine times newly compiled steps
+# (``Engine._adopt_compiled``), followed by its seconds.
+PAUSE_LOG = "paused between requests to time steps:"
 
 __all__ = ["Delta", "Engine", "EngineConfig", "EngineStopped", "Event", "Failed", "Finished",
            "GenerationRequest", "Handle", "QueueFull", "RequestError"]
@@ -413,6 +416,7 @@ class Engine:
     (all modes) the background thread has compiled since, timing them first for the policy;
     once it is done, settle one context bucket (``_settle``)."""
     new = self._adoptable()
+    start = time.perf_counter()
     if new:
       self._untimed = set()
       timed = self._time_groups(new)
@@ -421,6 +425,10 @@ class Engine:
     elif self._unsettled and self._compile_done.is_set():
       self._settle(self._unsettled[0])
       del self._unsettled[0]  # after: ``compile_progress`` says running until the drop is done
+    else:
+      return
+    # A request that arrives now waits this long (``bench server_start`` reads the line).
+    log.info("%s %.2f s", PAUSE_LOG, time.perf_counter() - start)
 
   def _time_groups(self, groups) -> str:
     """Time the steps of ``groups`` (all modes, interleaved) into the policy's costs; returns
