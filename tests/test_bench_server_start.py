@@ -10,7 +10,8 @@ from redrafter_jax.bench import server_start
 @pytest.mark.slow  # two server start-ups with their warm-ups and background compiles (~2-3 min)
 def test_cold_then_warm_start(tmp_path, capsys):
   out = tmp_path / "start.md"
-  rc = server_start.main(["--config", "configs/tiny.yaml", "--out", str(out), "--settle", "--",
+  rc = server_start.main(["--config", "configs/tiny.yaml", "--out", str(out), "--settle",
+                          "--probe-every", "1", "--",
                           "--random-drafter", "--devices", "1", "--slots", "2",
                           "--max-tokens", "16", "--max-context", "128"])
   assert rc == 0, capsys.readouterr().err[-3000:]
@@ -25,6 +26,7 @@ def test_cold_then_warm_start(tmp_path, capsys):
     assert r["settled_programs"] > r["warmup_programs"]
     assert r["first_token_s"] > 0 and r["settled_first_token_s"] > 0  # the short request
     assert r["pauses"] >= 1 and r["longest_pause_s"] > 0  # steps timed between requests
+  assert runs[0]["probes_s"] and all(s > 0 for s in runs[0]["probes_s"])  # while compiling
   assert runs[0]["warmup_programs"] and runs[0]["warmup_programs"] > 0
   text = out.read_text()
   assert "| 1 | cold |" in text and "| 2 | warm |" in text
@@ -43,7 +45,8 @@ def test_pauses_are_read_from_the_servers_log():
 
 
 def test_bad_arguments():
-  for argv in (["--warm-runs", "-1"], ["--config", "/nonexistent.yaml"], ["--timeout", "0"]):
+  for argv in (["--warm-runs", "-1"], ["--config", "/nonexistent.yaml"], ["--timeout", "0"],
+               ["--probe-every", "-1", "--settle"], ["--probe-every", "5"]):
     with pytest.raises(SystemExit) as e:
       server_start.parse_args(argv)
     assert e.value.code == 2

@@ -738,6 +738,33 @@ def test_steps_that_never_pay_are_dropped_and_serving_goes_on(llm, tok, random_d
   assert place.compiled_programs() == compiled - 4
 
 
+def test_a_waiting_request_cuts_the_step_timing_short(llm, tok, random_drafter):
+  """Timing steps between requests (adopting a compiled group, settling a context) ends after
+  the current round once a request waits, so it waits one round at most. A settle cut short
+  drops nothing on its few samples and is done again at the next pause."""
+  cfg = dataclasses.replace(ECFG, max_context=64)
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  engine.warmup()
+  place = engine._place
+  calls, step = [], place.step
+  place.step = lambda *a: calls.append(a[-2:]) or step(*a)  # (mode, context) of each call
+  keys = [("step", 1, m, 32) for m in ("ar", "spec")]
+  timed = place.time_steps(keys, timed_runs=3, kinds=("greedy",))
+  assert set(timed) == {(1, m, "greedy", 32) for m in ("ar", "spec")} and len(calls) == 6
+  calls.clear()
+  asked = []
+  place.time_steps(keys, timed_runs=3, kinds=("greedy",), stop=lambda: asked.append(1) or True)
+  assert calls == [("ar", 32), ("spec", 32)] and asked == [1]  # one round, then asked once
+  drops = []
+  engine._drop_dominated = drops.append
+  engine._queue.put_nowait(object())  # a request waits (the engine thread is not running)
+  calls.clear()
+  assert engine._settle(32) is False and drops == []
+  assert len(calls) == 2 * len([g for g in engine._usable if g[1] == 32])  # one round
+  engine._queue.get_nowait()
+  assert engine._settle(32) is True and drops == [{32}]
+
+
 def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
     llm, tok, random_drafter, reference, monkeypatch):
   """``memory_limit_gb``: before each background compile, the resident memory now plus the
@@ -763,7 +790,7 @@ def test_background_compile_stops_at_the_memory_limit_and_serving_goes_on(
   settled, settle = [], engine._settle
   def settle_after_compile(context):  # each context once, after the background compile ends
     settled.append((context, engine._compiler.is_alive()))
-    settle(context)
+    return settle(context)
   engine._settle = settle_after_compile
   engine.start()
   try:

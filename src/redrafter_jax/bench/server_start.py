@@ -12,7 +12,9 @@ background compile (the programs a covering warm-up leaves for later) is done an
 timed (those that never pay dropped), the programs the server then holds, the memory then, and
 the short request's seconds again, and the pauses between requests in which the engine timed
 newly compiled steps (a request arriving then waits: their count and the longest, from the
-server's log). The
+server's log); with ``--probe-every S`` as well, the short request is also sent every S
+seconds while the compile runs, and its longest time is reported (what a user meets then: the
+compile's share of the CPU and those pauses). The
 drafter's per-device tree timing (``--tree auto``) has its own cache beside the model; the
 table says whether it was already there. With ``--out``, each run's server log (its start-up
 stages and every warm-up program's seconds; the ``/health`` polls left out) is kept beside the
@@ -46,11 +48,16 @@ def parse_args(argv):
   p.add_argument("--settle", action="store_true",
                  help="after ready, also wait for the background compile to finish (/health's "
                       "'compiling') and report its seconds and the memory then")
+  p.add_argument("--probe-every", type=float, default=0.0, metavar="S",
+                 help="with --settle: also send the short request every S seconds while the "
+                      "background compile runs (0: not)")
   p.add_argument("serve_args", nargs="*", metavar="ARG",
                  help="more `serve` arguments, after --, e.g. -- --slots 4 --ar")
   args = p.parse_args(argv)
-  if args.warm_runs < 0 or args.timeout <= 0:
-    p.error("--warm-runs must be >= 0 and --timeout > 0")
+  if args.warm_runs < 0 or args.timeout <= 0 or args.probe_every < 0:
+    p.error("--warm-runs and --probe-every must be >= 0 and --timeout > 0")
+  if args.probe_every and not args.settle:
+    p.error("--probe-every needs --settle")
   if not pathlib.Path(args.config).is_file():
     p.error(f"--config: no such file {args.config}")
   return args
@@ -93,7 +100,8 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
   out = dict(command=" ".join(cmd[1:]), listening_s=None, ready_s=None, warmup_programs=None,
              rss_mb=None, peak_rss_mb=None, first_token_s=None, settled_s=None,
              settled_programs=None, settled_rss_mb=None, settled_first_token_s=None,
-             pauses=None, longest_pause_s=None, exit_status=None, error=None)
+             pauses=None, longest_pause_s=None, probes_s=[], exit_status=None, error=None)
+  probed = t0
   try:
     while time.monotonic() - t0 < args.timeout:
       if proc.poll() is not None:
@@ -122,6 +130,9 @@ def one_start(args, cache: pathlib.Path, log_path: pathlib.Path) -> dict:
             out["settled_rss_mb"] = status_kb(proc.pid).get("VmRSS", 0) / 1024
             out["settled_first_token_s"] = first_token_seconds(port)
           break
+        if args.probe_every and time.monotonic() - probed >= args.probe_every:
+          out["probes_s"].append(first_token_seconds(port))
+          probed = time.monotonic()
         time.sleep(1.0)
         continue
       body = r.json()
@@ -165,6 +176,7 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
   lines = [f"# Server start-up ({time.strftime('%Y-%m-%d')})", "",
            f"`python -m redrafter_jax.bench server_start --config {args.config}"
            + (" --settle" if args.settle else "")
+           + (f" --probe-every {args.probe_every:g}" if args.probe_every else "")
            + (f" -- {' '.join(args.serve_args)}" if args.serve_args else "") + "`", "",
            f"{os.cpu_count()} CPUs; the tree timings of `--tree auto` were "
            f"{'already cached' if trees_cached else 'not cached (the first run timed them)'}.",
@@ -172,8 +184,10 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
            "", "| run | compile cache | port answers (s) | ready (s) | warm-up programs "
            "| RSS at ready (MB) | peak RSS (MB) | short request (s) | all compiled (s) "
            "| programs held then | RSS then (MB) | short request then (s) | pauses "
-           "| longest pause (s) | exit | error |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| longest pause (s) | short requests while compiling | longest of them (s) | exit "
+           "| error |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+           "|---|"]
   for i, r in enumerate(runs):
     lines.append(f"| {i + 1} | {'cold' if i == 0 else 'warm'} | {fmt(r['listening_s'])} "
                  f"| {fmt(r['ready_s'])} | {fmt(r['warmup_programs'], '{}')} "
@@ -183,6 +197,7 @@ def table(args, runs: list[dict], trees_cached: bool) -> str:
                  f"| {fmt(r.get('settled_rss_mb'), '{:.0f}')} "
                  f"| {fmt(r.get('settled_first_token_s'), '{:.2f}')} "
                  f"| {fmt(r.get('pauses'), '{}')} | {fmt(r.get('longest_pause_s'), '{:.2f}')} "
+                 f"| {len(r['probes_s'])} | {fmt(max(r['probes_s'], default=None), '{:.2f}')} "
                  f"| {fmt(r['exit_status'], '{}')} | {r['error'] or ''} |")
   return "\n".join(lines) + "\n"
 

@@ -419,37 +419,52 @@ class Engine:
     start = time.perf_counter()
     if new:
       self._untimed = set()
-      timed = self._time_groups(new)
+      timed, _ = self._time_groups(new)  # cut short: fewer samples, timed again at the settle
       self._usable.update(new)
       log.info("steps for (rows, context) %s timed and in use%s", sorted(new), timed)
     elif self._unsettled and self._compile_done.is_set():
-      self._settle(self._unsettled[0])
-      del self._unsettled[0]  # after: ``compile_progress`` says running until the drop is done
+      if self._settle(self._unsettled[0]):
+        del self._unsettled[0]  # after: ``compile_progress`` says running until the drop is done
     else:
       return
-    # A request that arrives now waits this long (``bench server_start`` reads the line).
+    # A request that arrives meanwhile waits one timing round at most (``_time_groups``); the
+    # pause's seconds are logged for ``bench server_start``.
     log.info("%s %.2f s", PAUSE_LOG, time.perf_counter() - start)
 
-  def _time_groups(self, groups) -> str:
-    """Time the steps of ``groups`` (all modes, interleaved) into the policy's costs; returns
-    them for a log line."""
+  def _time_groups(self, groups) -> tuple[str, bool]:
+    """Time the steps of ``groups`` (all modes, interleaved) into the policy's costs, ending
+    after the current round when a request arrives or the engine stops; returns them for a log
+    line, and whether every round ran."""
     if self.costs is None:
-      return ""
+      return "", True
+    cut = []
+
+    def stop() -> bool:
+      if not self._queue.empty() or self._stopping.is_set():
+        cut.append(True)
+      return bool(cut)
+
     timed = self._place.time_steps(
         [("step", b, m, c) for b, c in groups for m in self._place.modes()],
-        kinds=self._timed_kinds())
+        kinds=self._timed_kinds(), stop=stop)
     self.costs.warm.update(timed)
-    return "".join(f"; {k}: {v * 1e3:.1f} ms" for k, v in sorted(timed.items()))
+    text = "".join(f"; {k}: {v * 1e3:.1f} ms" for k, v in sorted(timed.items()))
+    return text + ("; cut short by a request" if cut else ""), not cut
 
-  def _settle(self, context: int) -> None:
+  def _settle(self, context: int) -> bool:
     """With the background compile done (no compile shares the CPU any more), time every
     usable step group at ``context`` again, together (``time_steps`` interleaves them, so a
     slow spell hits all alike: the groups timed as each compiled ran beside different
-    compiles), and drop those a larger rows bucket matches or beats there."""
+    compiles), and drop those a larger rows bucket matches or beats there. Returns False when
+    a request cut the timing short: nothing is dropped on so few samples, and the context is
+    settled again at the next pause."""
     groups = sorted(g for g in self._usable if g[1] == context)
-    log.info("steps at context %d timed together%s", context, self._time_groups(groups))
+    timed, complete = self._time_groups(groups)
+    log.info("steps at context %d timed together%s", context, timed)
     self._untimed -= set(groups)
-    self._drop_dominated({context})
+    if complete:
+      self._drop_dominated({context})
+    return complete
 
   def _adoptable(self) -> list[tuple[int, int]]:
     """The (rows, context) step groups compiled but not yet timed and in use: those whose

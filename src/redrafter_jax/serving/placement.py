@@ -23,7 +23,7 @@ import logging
 import re
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -307,14 +307,20 @@ class Placement:
     return self.time_steps([key for key in keys if key[0] == "step"], timed_runs, kinds)
 
   def time_steps(self, keys: Sequence[tuple], timed_runs: int = 5,
-                 kinds: Sequence[str] = policy_lib.KINDS
+                 kinds: Sequence[str] = policy_lib.KINDS,
+                 stop: Callable[[], bool] | None = None
                  ) -> dict[tuple[int, str, str, int], float]:
     """Seconds of each compiled step ``("step", rows, mode, context)`` for each sampling kind in
     ``kinds`` (the median of ``timed_runs``), by (rows, mode, kind, context): a tree's cost
     relative to an AR step's changes with the rows and the context read. Runs on the slot
-    batch, then starts a fresh one: call it while no slot holds a request."""
+    batch, then starts a fresh one: call it while no slot holds a request. ``stop``, asked
+    after each round (one call of every step): True ends the timing there, with the medians of
+    the rounds run (at least one), so that a request arriving meanwhile waits one round at
+    most."""
     times = {(b, mode, kind, c): [] for _, b, mode, c in keys for kind in kinds}
-    for _ in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
+    for i in range(timed_runs):  # interleaved, so a slow spell of a shared machine hits all
+      if i and stop is not None and stop():
+        break
       for b, mode, kind, c in times:
         t0 = time.perf_counter()
         jax.block_until_ready(self.step(list(range(b)), [False] * b, kind == "filtered",
