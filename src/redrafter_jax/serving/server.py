@@ -125,6 +125,9 @@ def served_decode(preset: Preset, llm, drafter, *, tree: str = "preset"):
                                     draft_vocab_size=decode.draft_vocab_size, log=log.info)
     log.info("draft tree for this device: %s, predicted %.2fx AR at batch 1\n%s",
              choice.beams.label, choice.predicted_speedup, choice.table())
+    if not choice.pays:
+      log.info("%s: the serving policy steps with AR unless the acceptance it observes pays "
+               "for the tree", choice.verdict())
     decode = choice.config(decode)
   return decode, measured_prior(table, decode)
 
