@@ -9,6 +9,7 @@ import pytest
 
 from redrafter_jax import cli
 from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.runtime import pack_prompts
 from redrafter_jax.training import data, distill
 from redrafter_jax.training.data import DataError
 from redrafter_jax.weights import base_model
@@ -369,3 +370,32 @@ def test_cli_takes_several_prompt_files_and_a_time_budget(prompts_file, tmp_path
   assert "left" not in line and len(data.read_records(out)) == len(PROMPTS) + 1
   assert cli.main(argv[:-2] + ["--sampled-fraction", "17"]) == 2
   assert "(sampled answers per prompt) must be in [0, 16], got 17" in capsys.readouterr().err
+
+
+def test_one_prompt_bucket_runs_every_batch_at_one_shape(teacher, prompts_file, tmp_path,
+                                                         monkeypatch):
+  """With ``prompt_multiple`` at least the longest prompt, every batch pads to the same prompt
+  length and cache size (on a GPU each new shape is a compile of tens of seconds), and the
+  greedy answers are still plain greedy decoding's."""
+  llm, tok = teacher
+  real, shapes = distill.generate, set()
+
+  def spy(model, prompts, **kwargs):
+    tokens_BT, _ = pack_prompts(prompts, multiple=kwargs["prompt_multiple"])
+    shapes.add((tokens_BT.shape, kwargs["cache_size"]))
+    return real(model, prompts, **kwargs)
+
+  monkeypatch.setattr(distill, "generate", spy)
+  distill.distill(llm, tok, prompts_file, tmp_path / "d", **dict(KW, sampled_fraction=0.0),
+                  max_prompt_tokens=64, prompt_multiple=64)
+  assert len(shapes) == 1
+  prompts = [encode(tok, p, chat=True) for p in PROMPTS]
+  expected = generate(llm, prompts, max_new_tokens=12, stop_ids=stop_token_ids(tok))
+  got = {r["id"]: r["tokens"].tolist() for r in data.read_records(tmp_path / "d")}
+  assert [got[f"p{i}"] for i in range(len(PROMPTS))] == [
+      p + r for p, r in zip(prompts, expected.tokens)]
+  # small buckets: several prompt lengths, still one cache size for the whole run
+  shapes.clear()
+  distill.distill(llm, tok, prompts_file, tmp_path / "e", **dict(KW, sampled_fraction=0.0),
+                  prompt_multiple=8)
+  assert len({s for s, _ in shapes}) > 1 and len({cache for _, cache in shapes}) == 1

@@ -344,13 +344,16 @@ def test_train_profile_steps_and_needs():
   assert any(n.startswith("grain") for n in gpu.needs)
   assert not profiles.profile_of("train", "tiny").needs  # the CPU has grain
   names = [s.name for s in gpu.steps]
-  assert names == ["environment", "self_prompts", "teacher", "train", "bring_back", "measure"]
+  assert names == ["environment", "teacher", "train", "bring_back", "measure"]
   by = {s.name: s for s in gpu.steps}
-  for name in ("self_prompts", "teacher", "train"):
+  for name in ("teacher", "train"):
     assert any("{budget}" in a for a in by[name].argv) and by[name].part == 1
   assert by["measure"].part == 2 and "{results}/drafter" in by["measure"].argv
   assert "--batch-size" in by["teacher"].argv
   assert int(by["teacher"].argv[by["teacher"].argv.index("--batch-size") + 1]) >= 256
+  # one prompt shape: every teacher batch runs the same two programs (greedy, sampled)
+  arg = lambda flag: int(by["teacher"].argv[by["teacher"].argv.index(flag) + 1])
+  assert arg("--prompt-multiple") >= arg("--max-prompt-tokens")
   assert "redrafter-jax" in " ".join(by["bring_back"].argv)  # the recipe reads three layers
 
 
@@ -391,7 +394,7 @@ def test_dry_run_of_the_train_profile_passes(tmp_path, capsys):
   out = capsys.readouterr().out
   assert rc == 0, out[-8000:]
   assert "dry-run call 4/4: rc 0" in out
-  for step, part in (("self_prompts", 1), ("teacher", 1), ("train", 1), ("bring_back", 1),
+  for step, part in (("teacher", 1), ("train", 1), ("bring_back", 1),
                      ("measure", 2)):
     assert f"| {step} | {part} | ok |" in out
   collected = tmp_path / "m" / "collected" / "results"

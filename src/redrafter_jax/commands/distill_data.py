@@ -31,6 +31,10 @@ def add_arguments(p):
   p.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
   p.add_argument("--max-prompt-tokens", type=int, default=384,
                  help="skip prompts longer than this (after the chat template)")
+  p.add_argument("--prompt-multiple", type=int, default=64,
+                 help="prompts are padded to a multiple of this; each multiple compiles its own "
+                      "programs (on a GPU, where a compile takes tens of seconds, give "
+                      "--max-prompt-tokens: one prompt shape)")
   p.add_argument("--max-shards", type=int, default=None,
                  help="stop after writing this many new shards (rerun to continue)")
   p.add_argument("--max-seconds", type=float, default=None,
@@ -60,6 +64,7 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         sampled_fraction=args.sampled_fraction, shard_size=args.shard_size,
         max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, max_shards=args.max_shards,
+        prompt_multiple=args.prompt_multiple,
         max_seconds=None if args.max_seconds is None else
         args.max_seconds - (time.perf_counter() - started))
   except DataError as e:

@@ -143,39 +143,39 @@ def train(size: str) -> Profile:
   """The ``train`` profile (issue 36 item 2): teacher data, a drafter trained on it, brought back
   and measured against AR, in one lease.
 
-  Part 1: the model writes prompts of its own (Magpie-style, from the repository's seed
-  openings), answers those and the repository's training prompts at a large batch (several
+  Part 1: the model answers the repository's training prompts at a large batch (several
   sampled answers per prompt) until its time is up, and the drafter trains on what was written
   (``configs/lease_train.yaml``, the ablations' best recipe) for a time budget that fits the
   schedule to the steps there is time for; then the drafter comes back in float16 with the
   teacher manifest and the training curves. Part 2: greedy AR against ReDrafter with the new
-  drafter, batch 1, one Spec-Bench prompt per category."""
+  drafter, batch 1, one Spec-Bench prompt per category.
+
+  The model's own prompts (``self-prompts``, Magpie-style) are not a step: a lease's teacher
+  time answers a small part of the repository's 12.9k prompts (x4 with the sampled answers), and
+  the first train lease (2026-11-28) spent the step's share compiling its program."""
   gpu = size == "gpu"
   recipe = _recipe()
   # the drafter's own format: reference (MLX, TensorRT-LLM) unless it reads several layers
   layers = (recipe.drafter or {}).get("feature_layers")
   export_format = "redrafter-jax" if layers else "reference"
   tiny_vocab = 64
+  # the head trains train.vocab_limit rows; the rest stay zero and are not brought back
+  head_rows = recipe.train.vocab_limit if gpu else tiny_vocab
   cli = ("{py}", "-m", "redrafter_jax.cli")
   fast = ("--dtype", "bfloat16", "--param-dtype", "bfloat16") if gpu else ()
-  self_prompts = Step(
-      "self_prompts", cli + ("self-prompts", "--model", "{model}", "--out",
-                             "{scratch}/self-prompts.jsonl", "--seeds",
-                             "data/prompts/seeds-v1.jsonl.gz", "--max-seconds", "{budget}")
-      + fast + (("--num", "24000", "--batch-size", "1024") if gpu else
-                ("--num", "8", "--batch-size", "4", "--max-new-tokens", "8",
-                 "--max-batches", "2")), 40,
-      "the model writes user requests of its own from the seed openings (Magpie-style)")
   teacher = Step(
       "teacher", cli + ("distill-data", "--model", "{model}", "--prompts",
-                        "data/prompts/mix-v1.jsonl.gz", "{scratch}/self-prompts.jsonl",
-                        "--out", "{scratch}/teacher", "--max-seconds", "{budget}")
-      + fast + (("--batch-size", "512", "--shard-size", "2048", "--max-new-tokens", "384",
+                        "data/prompts/mix-v1.jsonl.gz", "--out", "{scratch}/teacher",
+                        "--max-seconds", "{budget}")
+      # one prompt shape (--prompt-multiple 384 = --max-prompt-tokens): two programs, greedy
+      # and sampled; shards of 1024 so that several end within the step and one is held out
+      + fast + (("--batch-size", "512", "--shard-size", "1024", "--max-new-tokens", "384",
+                 "--max-prompt-tokens", "384", "--prompt-multiple", "384",
                  "--sampled-fraction", "3") if gpu else
                 ("--limit", "48", "--batch-size", "8", "--shard-size", "16",
                  "--max-new-tokens", "16", "--sampled-fraction", "1.5")), 270,
-      "teacher data: the model answers the training prompts and its own, greedy and sampled at "
-      "T=1, at a large batch until the step's time is up")
+      "teacher data: the model answers the training prompts, greedy and sampled at T=1, at a "
+      "large batch until the step's time is up")
   tiny_train = ("model={model}", "drafter.exit_dim=32", "drafter.feature_layers=[0, 1]",
                 "train.seq_len=64", "train.batch_size=4", "train.num_steps=8",
                 "train.eval_batches=1", "train.log_every=2", f"train.vocab_limit={tiny_vocab}",
@@ -195,9 +195,9 @@ def train(size: str) -> Profile:
       "bring_back", ("sh", "-c", gather + " ".join(
           cli + ("export", "--drafter", "{scratch}/train/drafter", "--out",
                  "{results}/drafter", "--overwrite", "--dtype", "fp16", "--format",
-                 export_format))), 6,
-      "the drafter in float16 (split into the returned parts), the teacher manifest and the "
-      "training curves into the results")
+                 export_format, "--head-rows", str(head_rows)))), 6,
+      "the drafter in float16 with a compact head (the rows it trained), the teacher manifest "
+      "and the training curves into the results")
   measure_step = Step(
       "measure", ("{py}", "-m", "redrafter_jax.bench", "suite", "--model", "{model}",
                   "--prompts", "{prompts}", "--drafter", "{results}/drafter",
@@ -206,7 +206,7 @@ def train(size: str) -> Profile:
                   "--split-repeat", "1", "--cache-size", str(CACHE_SIZE),
                   "--prompt-multiple", str(PROMPT_MULTIPLE))
       # the head trained on train.vocab_limit tokens: draft over those
-      + ("--draft-vocab", str(recipe.train.vocab_limit if gpu else tiny_vocab))
+      + ("--draft-vocab", str(head_rows))
       + (("--gpu", "--per-category", "1", "--max-new-tokens", "128", "--beams", GPU_TREES,
           "--main-beams", GPU_MAIN_TREE) if gpu else
          ("--quick", "--max-new-tokens", "8", "--beams", "1x3+2/4", "--main-beams", "1x3+2/4",
@@ -218,7 +218,7 @@ def train(size: str) -> Profile:
       '{py} -c "import jax, grain, sys; print(sys.version); print(\'jax\', jax.__version__, '
       '\'grain\', grain.__version__); print(jax.devices())"')), 8,
       "the GPU, driver and JAX, and grain from the carried wheels")
-  return Profile((environment, self_prompts, teacher, training, bring_back, measure_step),
+  return Profile((environment, teacher, training, bring_back, measure_step),
                  needs=TRAIN_NEEDS if gpu else ())
 
 

@@ -11,7 +11,10 @@ own noise) or in other batches (each batch its own seed), and their records keep
 Jobs are shuffled and cut into shards of ``shard_size`` (any first k shards are a uniform sample
 of the prompts: a job stopped early is still representative), ordered within each shard
 (``plan_jobs``), and each shard is generated in fixed-size batches (``generate()``; the last
-batch is padded by repeating a job, so shapes and compiles stay few) and written as one
+batch is padded by repeating a job; every prompt is padded to a multiple of ``prompt_multiple``
+and every batch shares one cache size, so a run compiles one program per prompt bucket and
+decoder, greedy or sampled: on a GPU, where each program compiles for tens of seconds, one
+bucket, ``prompt_multiple >= max_prompt_tokens``, compiles two) and written as one
 compressed shard (``data.write_shard``) under a temporary name, then renamed, then recorded in
 ``manifest.json`` with its wall and CPU seconds and the machine that made it. A rerun with the
 same settings skips the shards the manifest lists, so a killed job resumes where it stopped
@@ -44,6 +47,7 @@ from tqdm.auto import tqdm
 
 from redrafter_jax.config import ConfigError
 from redrafter_jax.inference.ar import generate
+from redrafter_jax.inference.runtime import cache_size_for, round_up
 from redrafter_jax.jsonl import read_jsonl
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.training import data as data_lib
@@ -245,7 +249,7 @@ def distill(llm: Llama, tokenizer,
             max_new_tokens: int = 256, batch_size: int = 16, sampled_fraction: float = 0.25,
             shard_size: int = 256, max_prompt_tokens: int = 384, seed: int = 0,
             max_shards: int | None = None, max_seconds: float | None = None,
-            progress: bool = True) -> DistillStats:
+            prompt_multiple: int = 64, progress: bool = True) -> DistillStats:
   """Write (or resume) the teacher data folder ``out_dir``; see the module docstring.
 
   ``prompts_path``: one prompts file or several (read in order). ``max_shards`` stops after
@@ -254,8 +258,8 @@ def distill(llm: Llama, tokenizer,
   slices of a long job, which a rerun continues.
   """
   call_start = clock()
-  if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
-    raise ConfigError("batch_size, shard_size and max_new_tokens must be >= 1")
+  if batch_size < 1 or shard_size < 1 or max_new_tokens < 1 or prompt_multiple < 1:
+    raise ConfigError("batch_size, shard_size, max_new_tokens and prompt_multiple must be >= 1")
   _check_sampled_fraction(sampled_fraction)  # before the prompts are read and encoded
   if sampled_fraction > 0 and shard_size > math.lcm(SEED_STRIDE, batch_size):
     # Batch b of shard k and batch b - lcm of shard k + lcm / SEED_STRIDE would share a seed.
@@ -281,6 +285,9 @@ def distill(llm: Llama, tokenizer,
   if not keep:
     raise DataError(f"every prompt is longer than max_prompt_tokens={max_prompt_tokens}")
   lengths = [len(tokens[i]) for i in keep]
+  # one cache size for every batch: the longest padded prompt's (module docstring)
+  cache_size = cache_size_for(round_up(max(lengths), prompt_multiple), max_new_tokens, 1,
+                              llm.config.max_position_embeddings)
   jobs = [dataclasses.replace(j, prompt=keep[j.prompt])
           for j in plan_jobs(lengths, sampled_fraction, seed, shard_size)]
   shards = [jobs[i:i + shard_size] for i in range(0, len(jobs), shard_size)]
@@ -316,7 +323,8 @@ def distill(llm: Llama, tokenizer,
       # The sampled rows draw different numbers: each row its own noise, each batch its seed.
       result = generate(llm, [tokens[j.prompt] for j in padded], max_new_tokens=max_new_tokens,
                         temperature=[1.0 if j.sampled else 0.0 for j in padded],
-                        seed=seed * 1_000_003 + k * SEED_STRIDE + b, stop_ids=stops)
+                        seed=seed * 1_000_003 + k * SEED_STRIDE + b, stop_ids=stops,
+                        cache_size=cache_size, prompt_multiple=prompt_multiple)
       for job, response in zip(batch, result.tokens):
         prompt = tokens[job.prompt]
         # The id stays the prompt's own, sampled answers too: tools match ids to prompts.
