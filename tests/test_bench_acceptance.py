@@ -13,22 +13,31 @@ from redrafter_jax.models.drafter import Drafter, restrict_vocab
 from tests import tiny_models
 
 
-def _walk_hits(llm, drafter, prompt, answer, n):
-  """Reference: per position, ``drafter.step`` n times on the true tokens (one at a time)."""
+def _walk_hits(llm, drafter, prompt, answer, n, logp_out=None):
+  """Reference: per position, ``drafter.step`` n times on the true tokens (one at a time), from
+  what decoding hands the drafter: the last hidden state, or a multi-layer drafter's layer
+  states (``forward_layers``) through its projection (``Drafter.context``). ``logp_out``: a
+  list that gets each position's step log-probabilities ``[n, V]``."""
   seq = prompt + answer
   T = len(seq)
-  hidden = np.asarray(llm.forward_hidden(jnp.asarray(seq)[None], jnp.arange(T)[None],
-                                         jnp.tril(jnp.ones((1, T, T), bool)))[0][0])
+  args = (jnp.asarray(seq)[None], jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)))
+  layers = tuple(drafter.config.feature_layers)
+  feats = (llm.forward_layers(*args, layers=layers)[1] if layers else
+           llm.forward_hidden(*args)[0])[0]
   emb = llm.embed_tokens.embedding[...]
   rows = []
   for t in range(len(prompt) - 1, T - n - 1):
-    h, s, row = jnp.asarray(hidden[t])[None], drafter.init_state(jnp.asarray(hidden[t])[None]), []
+    h = drafter.context(feats[t][None])
+    s, row, logps = drafter.init_state(h), [], []
     for i in range(n):
       logp, s = drafter.step(h, s, emb[seq[t + 1 + i]][None])
+      logps.append(np.asarray(logp[0]))
       k = int(jnp.argmax(logp[0]))
       tok = int(drafter.vocab_ids[...][k]) if drafter.vocab_ids is not None else k
       row.append(tok == seq[t + 2 + i])
     rows.append(row)
+    if logp_out is not None:
+      logp_out.append(np.stack(logps))
   return np.array(rows, bool)
 
 
@@ -46,10 +55,24 @@ def _walk_guess(llm, drafter, seq):
   """The drafter's step-1 guess for the token after ``seq`` (from h at len-2 and seq[-1])."""
   padded = np.zeros((64,), np.int32)
   padded[:len(seq)] = seq  # one compiled shape; padding comes last (causal)
-  h = acceptance._hidden(*nnx.split(llm), jnp.asarray(padded)[None])[:, len(seq) - 2]
+  feats = acceptance._features(*nnx.split(llm), jnp.asarray(padded)[None],
+                               tuple(drafter.config.feature_layers))[:, len(seq) - 2]
+  h = drafter.context(feats)
   logp, _ = drafter.step(h, drafter.init_state(h), llm.embed_tokens.embedding[...][seq[-1]][None])
   k = int(jnp.argmax(logp[0]))
   return drafter.vocab_ids[...][k] if drafter.vocab_ids is not None else k
+
+
+def _layered(cfg, seed=2):
+  """A multi-layer drafter (EAGLE-3-style features) whose projection mixes its layers: a fresh
+  one copies the last layer, which is the last hidden state, and would hide a bench that hands
+  it the wrong states."""
+  d = Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, exit_dim=48,
+                            feature_layers=(0, 1)), rngs=nnx.Rngs(seed))
+  kernel = d.feature_proj.kernel[...]
+  d.feature_proj.kernel.set_value(
+      np.random.default_rng(seed).normal(0, 0.2, kernel.shape).astype(kernel.dtype))
+  return d
 
 
 def test_hits_equal_a_step_by_step_walk(tmp_path):
@@ -57,13 +80,34 @@ def test_hits_equal_a_step_by_step_walk(tmp_path):
   drafter = Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                                   exit_dim=48), rngs=nnx.Rngs(1))
   prompt = tiny_models.random_tokens(1, 9)
-  for d in (drafter, restrict_vocab(drafter, 40)):
+  for d in (drafter, restrict_vocab(drafter, 40), _layered(cfg)):
     answer = _answer_with_hits(llm, d, prompt, tiny_models.random_tokens(2, 30))
     got = acceptance.teacher_forced_hits(llm, d, prompt, answer, 3)
     want = _walk_hits(llm, d, prompt, answer, 3)
     assert got.shape == want.shape == (len(answer) - 3, 3)
     np.testing.assert_array_equal(got, want)
     assert 0 < want.sum() < want.size  # both hits and misses are checked
+
+
+def test_a_multi_layer_drafter_scores_what_decoding_would(tmp_path):
+  """Hits alone can agree by chance (a random drafter's guess may hang on the previous token):
+  the teacher-forced log-probabilities of a multi-layer drafter equal the walk's at every
+  position and step, so it is scored on its layers' states, not the last hidden state."""
+  import jax
+
+  llm, cfg, _ = tiny_models.load_tiny(tmp_path)
+  d = _layered(cfg)
+  prompt, answer, n = tiny_models.random_tokens(1, 9), tiny_models.random_tokens(2, 20), 3
+  want = []
+  _walk_hits(llm, d, prompt, answer, n, logp_out=want)
+  seq = prompt + answer
+  padded = np.zeros((128,), np.int32)
+  padded[:len(seq)] = seq
+  feats_TX = acceptance._features(*nnx.split(llm), jnp.asarray(padded)[None], (0, 1))[0]
+  starts = np.arange(len(prompt) - 1, len(seq) - n - 1)
+  prev_xnD = llm.embed_tokens.embedding[...][padded[starts[:, None] + 1 + np.arange(n)]]
+  got = jax.nn.log_softmax(acceptance.teacher_forced_logits(d, feats_TX[starts], prev_xnD), -1)
+  np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=2e-4)
 
 
 def test_runs_count_consecutive_hits_from_step_one():

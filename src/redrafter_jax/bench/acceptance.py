@@ -1,9 +1,11 @@
 """How often drafters guess the LLM's own greedy answers, per Spec-Bench category (no timing).
 
 For each chosen prompt the LLM answers greedily (our AR decoder, stop tokens end the answer); one
-forward over prompt + answer gives its hidden states; then every drafter, teacher-forced on the
-answer, predicts steps 1..n at every answer position t (step i from ``h_t`` and tokens
-t+1..t+i, target t+i+1, as in training). Reported per category and drafter:
+forward over prompt + answer gives its hidden states (or, for a multi-layer drafter, the states
+of its ``feature_layers``, through its own projection, as decoding hands them over); then every
+drafter, teacher-forced on the answer, predicts steps 1..n at every answer position t (step i
+from ``h_t`` and tokens t+1..t+i, target t+i+1, as in training). Reported per category and
+drafter:
 
   top-1 at step i   share of positions where the drafter's first choice is the LLM's token;
   W=1 run at L      mean of 1 + (consecutive correct steps from step 1, at most L-1): with one
@@ -38,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from redrafter_jax.models.drafter import restrict_vocab
-from redrafter_jax.training.losses import frozen_hidden
+from redrafter_jax.training.losses import frozen_features
 from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
 
@@ -89,19 +91,26 @@ def _round_up(n: int, multiple: int = 128) -> int:
   return -(-n // multiple) * multiple
 
 
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _hidden(graphdef, state, seq_1T):
-  """The LLM's hidden states (after the final norm) over one causal sequence, as training
-  computes them (one packed sequence filling the row)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "layers"))
+def _features(graphdef, state, seq_1T, layers: tuple[int, ...] = ()):
+  """What a drafter reads over one causal sequence, as training computes it (one packed
+  sequence filling the row): the LLM's hidden states after the final norm, or with ``layers``
+  (a multi-layer drafter's ``feature_layers``) those layers' normed states, concatenated."""
   T = seq_1T.shape[1]
-  return frozen_hidden(nnx.merge(graphdef, state), seq_1T, jnp.arange(T)[None],
-                       jnp.ones((1, T), jnp.int32))
+  return frozen_features(nnx.merge(graphdef, state), seq_1T, jnp.arange(T)[None],
+                         jnp.ones((1, T), jnp.int32), layers)[1]
+
+
+def teacher_forced_logits(drafter, feats_xX, prev_xnD):
+  """The drafter's logits at steps 1..n from the LLM's features (``_features``) and the
+  embeddings of the true tokens before each step: what decoding's first beam would score."""
+  return drafter.unroll_logits(drafter.context(feats_xX), prev_xnD)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _top1(graphdef, state, h_xD, prev_xnD):
+def _top1(graphdef, state, feats_xX, prev_xnD):
   drafter = nnx.merge(graphdef, state)
-  pred_xn = jnp.argmax(drafter.unroll_logits(h_xD, prev_xnD), -1)
+  pred_xn = jnp.argmax(teacher_forced_logits(drafter, feats_xX, prev_xnD), -1)
   return pred_xn if drafter.vocab_ids is None else drafter.vocab_ids[...][pred_xn]
 
 
@@ -115,12 +124,13 @@ def teacher_forced_hits(llm, drafter, prompt, answer, n: int) -> np.ndarray:
     return np.zeros((0, n), bool)
   seq = np.zeros((_round_up(T + n + 1),), np.int32)
   seq[:T] = prompt + answer
-  hidden_TD = _hidden(*nnx.split(llm), jnp.asarray(seq)[None])[0]
+  feats_TX = _features(*nnx.split(llm), jnp.asarray(seq)[None],
+                       tuple(drafter.config.feature_layers))[0]
   x = _round_up(starts.size)
   padded = np.concatenate([starts, np.full((x - starts.size,), starts[0])])
   emb_VD = llm.embed_tokens.embedding[...]
   prev_xnD = emb_VD[seq[padded[:, None] + 1 + np.arange(n)]]
-  pred = np.asarray(_top1(*nnx.split(drafter), hidden_TD[padded], prev_xnD))[:starts.size]
+  pred = np.asarray(_top1(*nnx.split(drafter), feats_TX[padded], prev_xnD))[:starts.size]
   return pred == seq[starts[:, None] + 2 + np.arange(n)]
 
 
