@@ -21,9 +21,10 @@ def add_arguments(p):
   p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
   p.add_argument("--head-rows", type=int, default=0, metavar="R",
-                 help="reference and redrafter-jax formats: keep only the head rows of the R top-ranked "
-                 "tokens (the draft vocabulary the drafter trained; refused if any other row is "
-                 "non-zero). Read back by this library; MLX and TensorRT-LLM need the full head")
+                 help="reference and redrafter-jax formats: keep only the head rows of the R "
+                 "top-ranked tokens (the draft vocabulary the drafter trained; refused if any "
+                 "other row is non-zero). Read back by this library; MLX and TensorRT-LLM need "
+                 "the full head")
 
 
 def run(args) -> int:

@@ -167,9 +167,9 @@ def train(size: str) -> Profile:
       "teacher", cli + ("distill-data", "--model", "{model}", "--prompts",
                         "data/prompts/mix-v1.jsonl.gz", "--out", "{scratch}/teacher",
                         "--max-seconds", "{budget}")
-      # one prompt shape (--prompt-multiple 384 = --max-prompt-tokens): two programs, greedy
-      # and sampled; shards of 1024 so that several end within the step and one is held out
-      # batch 1024: the first train lease wrote 37.7k tokens/s at 512 (about 7.5 ms a decode step)
+      # one prompt shape (--prompt-multiple 384 = --max-prompt-tokens): at most two programs,
+      # greedy and sampled; shards of 1024 so that several end within the step and one is held out
+      # batch 1024: the first train lease wrote 37.7k tokens/s at 512 (~7.5 ms a decode step)
       + fast + (("--batch-size", "1024", "--shard-size", "1024", "--max-new-tokens", "384",
                  "--max-prompt-tokens", "384", "--prompt-multiple", "384",
                  "--sampled-fraction", "3") if gpu else

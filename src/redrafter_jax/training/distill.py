@@ -14,7 +14,7 @@ of the prompts: a job stopped early is still representative), ordered within eac
 batch is padded by repeating a job; every prompt is padded to a multiple of ``prompt_multiple``
 and every batch shares one cache size, so a run compiles one program per prompt bucket and
 decoder, greedy or sampled: on a GPU, where each program compiles for tens of seconds, one
-bucket, ``prompt_multiple >= max_prompt_tokens``, compiles two) and written as one
+bucket, ``prompt_multiple >= max_prompt_tokens``, compiles at most two) and written as one
 compressed shard (``data.write_shard``) under a temporary name, then renamed, then recorded in
 ``manifest.json`` with its wall and CPU seconds and the machine that made it. A rerun with the
 same settings skips the shards the manifest lists, so a killed job resumes where it stopped

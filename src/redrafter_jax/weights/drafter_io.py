@@ -190,12 +190,12 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
   non-empty ``out_dir`` unless ``overwrite``; the folder is built beside it and renamed into
   place, so a failure leaves either the old folder or nothing, never a half-written one.
 
-  ``head_rows`` R > 0 (``reference`` and ``redrafter-jax``) writes a compact head: the vocabulary projection's
-  rows of the R top-ranked tokens only (``token_ranking.json`` says which), which is lossless
-  when every other row is zero, as the trainer leaves them with ``train.vocab_limit`` <= R
-  (refused otherwise); the head is most of a drafter's size, so this keeps a wide drafter
-  small. ``load_drafter`` restores the full drafter; Apple's MLX code and TensorRT-LLM need the full
-  head, so export for them without ``head_rows``.
+  ``head_rows`` R > 0 (``reference`` and ``redrafter-jax``) writes a compact head: the
+  vocabulary projection's rows of the R top-ranked tokens only (``token_ranking.json`` says
+  which), which is lossless when every other row is zero, as the trainer leaves them with
+  ``train.vocab_limit`` <= R (refused otherwise); the head is most of a drafter's size, so this
+  keeps a wide drafter small. ``load_drafter`` restores the full drafter; Apple's MLX code and
+  TensorRT-LLM need the full head, so export for them without ``head_rows``.
   """
   if format not in FORMATS:
     raise ConfigError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
