@@ -351,7 +351,7 @@ def test_train_profile_steps_and_needs():
   assert by["measure"].part == 2 and "{results}/drafter" in by["measure"].argv
   assert "--batch-size" in by["teacher"].argv
   assert int(by["teacher"].argv[by["teacher"].argv.index("--batch-size") + 1]) >= 256
-  # one prompt shape: every teacher batch runs the same two programs (greedy, sampled)
+  # one prompt shape: every teacher batch runs one of at most two programs (greedy, sampled)
   arg = lambda flag: int(by["teacher"].argv[by["teacher"].argv.index(flag) + 1])
   assert arg("--prompt-multiple") >= arg("--max-prompt-tokens")
   assert "redrafter-jax" in " ".join(by["bring_back"].argv)  # the recipe reads three layers
