@@ -2,6 +2,7 @@
 checkpoints, the CLI, and every error path (type and a message naming the problem)."""
 
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -519,18 +520,36 @@ def test_overwrite_replaces_the_whole_folder(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary siblings left
 
 
-def test_failed_write_leaves_nothing_half_written(tmp_path, monkeypatch):
-  import safetensors.numpy
+@pytest.mark.parametrize("fmt", drafter_io.FORMATS)
+def test_export_files_get_the_umask_mode(tmp_path, fmt):
+  """Exported files are as readable as any file the user creates (safetensors' own writer makes
+  the weights 0600, which hid a shared export from the other users of a machine)."""
+  import os
+  import stat
 
+  umask = os.umask(0o022)
+  try:
+    out = save_drafter(random_drafter(CONFIGS["proj-rnn"], seed=1), tmp_path / "out",
+                       format=fmt)
+  finally:
+    os.umask(umask)
+  modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+  assert modes and all(m == 0o644 for m in modes.values()), modes
+  assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+def test_failed_write_leaves_nothing_half_written(tmp_path, monkeypatch):
   old = random_drafter(CONFIGS["proj-rnn"], seed=1)
   out = save_drafter(old, tmp_path / "out")
+  write_bytes = pathlib.Path.write_bytes
 
-  def broken_save(tensors, filename, metadata=None):
-    with open(filename, "wb") as f:
-      f.write(b"partial")
+  def broken_write(self, data):
+    if self.suffix != ".safetensors":
+      return write_bytes(self, data)
+    write_bytes(self, b"partial")
     raise OSError("disk full")
 
-  monkeypatch.setattr(safetensors.numpy, "save_file", broken_save)
+  monkeypatch.setattr(pathlib.Path, "write_bytes", broken_write)
   with pytest.raises(OSError, match="disk full"):
     save_drafter(random_drafter(CONFIGS["proj-rnn"], seed=2), out, overwrite=True)
   with pytest.raises(OSError, match="disk full"):

@@ -226,10 +226,12 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
   ranking = ranking_V.tolist()
 
   def write(folder: pathlib.Path):
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     # "pt" lets transformers' from_pretrained (the reference's PyTorch loader) accept the file.
-    save_file(tensors, str(folder / weights_file), metadata={"format": "pt"})
+    # Bytes written by Python's open(), so the file gets the umask's mode like its neighbours
+    # (safetensors' save_file creates it 0600, unreadable to the other users of a shared export).
+    (folder / weights_file).write_bytes(save(tensors, metadata={"format": "pt"}))
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if head_rows or ranking != list(range(cfg.vocab_size)):
       (folder / RANKING_FILE).write_text(json.dumps({"token_ranking": ranking}) + "\n")
