@@ -183,3 +183,42 @@ def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, ca
   assert "chosen for this device" in out and "timing" not in out  # the cached times
   assert cli.main(args + ["--candidates", "9q9"]) == 2
   assert "--candidates" in capsys.readouterr().err
+
+
+def test_tune_tree_add_keeps_the_table_and_refuses_other_settings(tmp_path, monkeypatch, capsys):
+  """``--add`` measures only the named trees into the existing table (the others kept, the
+  addition recorded); trees measured on other settings are refused, the table left as it was."""
+  from redrafter_jax import cli
+  from redrafter_jax.config import DrafterConfig
+  from redrafter_jax.jsonl import write_jsonl
+  from redrafter_jax.models.drafter import Drafter
+  from redrafter_jax.weights.base_model import load_base_model
+  from redrafter_jax.weights.drafter_io import save_drafter
+
+  monkeypatch.setenv("REDRAFTER_JAX_CACHE", str(tmp_path / "cache"))
+  _, cfg = load_base_model("random:tiny")
+  save_drafter(Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size),
+                       rngs=nnx.Rngs(0)), tmp_path / "drafter")
+  write_jsonl([{"id": str(i), "category": "c", "prompt": f"prompt {i}"} for i in range(5)],
+              tmp_path / "p.jsonl")
+  (tmp_path / "teacher").mkdir()
+  args = ["tune-tree", "--model", "random:tiny", "--drafter", str(tmp_path / "drafter"),
+          "--prompts", str(tmp_path / "p.jsonl"), "--held-out-from", str(tmp_path / "teacher"),
+          "--num-prompts", "4", "--batch-size", "2"]
+  file = tmp_path / "drafter" / tree_choice.ACCEPTANCE_FILE
+  assert cli.main(args + ["--add", "--candidates", "1x2", "--max-new-tokens", "6"]) == 2
+  assert "measure the whole table first" in capsys.readouterr().err and not file.exists()
+  assert cli.main(args + ["--candidates", "1x3,2x3+2/5", "--max-new-tokens", "6"]) == 0
+  first = json.loads(file.read_text())
+  assert cli.main(args + ["--add", "--candidates", "1x2", "--max-new-tokens", "6"]) == 0
+  table = json.loads(file.read_text())
+  assert set(table["tokens_per_step"]) == {"1x2", "1x3", "2x3+2/5"}
+  for tree in ("1x3", "2x3+2/5"):
+    assert table["tokens_per_step"][tree] == first["tokens_per_step"][tree]
+    assert table["counts"][tree] == first["counts"][tree]
+  assert [a["trees"] for a in table["measured_with"]["added"]] == [["1x2"]]
+  capsys.readouterr()
+  assert cli.main(args + ["--add", "--candidates", "1x4", "--max-new-tokens", "5"]) == 2
+  assert "max_new_tokens" in capsys.readouterr().err
+  assert json.loads(file.read_text()) == table
+  assert cli.main(args + ["--add", "--time-only", "--candidates", "1x4"]) == 2

@@ -39,6 +39,9 @@ def add_arguments(p) -> None:
                  help="the LLM's weights (default: the drafter's own setting)")
   p.add_argument("--time-only", action="store_true",
                  help="keep the drafter's acceptance.json; only time the trees on this device")
+  p.add_argument("--add", action="store_true",
+                 help="measure only --candidates and add them to the drafter's acceptance.json "
+                 "(which must have been measured with the same prompts and settings)")
 
 
 def calibration_prompts(path, held_out_from, num: int) -> list:
@@ -78,6 +81,11 @@ def run(args) -> int:
   except ValueError as e:
     raise ConfigError(f"--candidates: {e}") from None
   path = resolve_drafter(args.drafter)
+  if args.add and (args.time_only or not args.candidates):
+    raise ConfigError("--add measures the trees named by --candidates (and not with --time-only)")
+  if args.add and tree_choice.read_acceptance(path) is None:
+    raise ConfigError(f"--add: {path} has no {tree_choice.ACCEPTANCE_FILE}; measure the whole "
+                      "table first (without --add)")
   draft_vocab = int(decode_defaults(path).get("draft_vocab_size", 0))
   param_dtype = param_dtype_for(path, args.param_dtype)
   llm, _ = load_base_model(args.model, param_dtype=param_dtype)
@@ -97,11 +105,15 @@ def run(args) -> int:
         draft_vocab_size=draft_vocab, batch_size=args.batch_size, stop_ids=stop_token_ids(tok),
         on_result=lambda k, r: print(f"  {k:<12} {r['tokens_per_step']:.3f} tokens/step "
                                      f"({r['tokens']} tokens / {r['steps']} steps)", flush=True))
-    out = tree_choice.write_acceptance(path, table, dict(
+    measured_with = dict(
         prompts=str(args.prompts), held_out_from=held, num_prompts=len(ids),
         ids=[p.id for p in prompts], max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, param_dtype=param_dtype, decoding="greedy",
-        date=datetime.date.today().isoformat(), command="redrafter-jax tune-tree"))
+        date=datetime.date.today().isoformat(), command="redrafter-jax tune-tree")
+    if args.add:
+      out = tree_choice.add_acceptance(path, table, measured_with)
+    else:
+      out = tree_choice.write_acceptance(path, table, measured_with)
     print(f"wrote {out}")
   choice = tree_choice.tuned(path, llm, drafter, draft_vocab_size=draft_vocab)
   if choice is None:

@@ -146,6 +146,30 @@ def write_acceptance(folder, table: dict[str, dict], measured_with: dict) -> pat
   return path
 
 
+# What must match for trees measured in two runs to share one table.
+_SAME_MEASUREMENT = ("ids", "max_new_tokens", "batch_size", "param_dtype", "decoding")
+
+
+def add_acceptance(folder, table: dict[str, dict], measured_with: dict) -> pathlib.Path:
+  """Add (or replace) ``table``'s trees in the drafter's existing ``acceptance.json``, which must
+  have been measured on the same prompts with the same settings (``TreeChoiceError`` if not);
+  ``measured_with["added"]`` records each addition's trees and date."""
+  path = pathlib.Path(folder) / ACCEPTANCE_FILE
+  if read_acceptance(folder) is None:
+    raise TreeChoiceError(f"{path} does not exist: measure the whole table first (no --add)")
+  old = json.loads(path.read_text())
+  before = old.get("measured_with") or {}
+  differ = [k for k in _SAME_MEASUREMENT if before.get(k) != measured_with.get(k)]
+  if differ:
+    raise TreeChoiceError(f"{path} was measured with other {', '.join(differ)} than this run: "
+                          "add trees with the same prompts and settings, or measure all again")
+  rows = {k: {"tokens_per_step": v, **old["counts"][k]}
+          for k, v in old["tokens_per_step"].items()}
+  rows.update(table)
+  added = list(before.get("added", [])) + [dict(trees=list(table), date=measured_with["date"])]
+  return write_acceptance(folder, rows, {**before, "added": added})
+
+
 def read_acceptance(folder) -> dict[Beams, float] | None:
   """The drafter's tokens per step per tree (``acceptance.json``), None when it has none."""
   path = pathlib.Path(folder) / ACCEPTANCE_FILE
