@@ -306,6 +306,19 @@ def test_cli_errors_are_one_line(argv, needle, capsys):
   assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
+@pytest.mark.parametrize("section,needle", [
+    ("train:\n  num_stepz: 3\n", "train config: unknown key(s) 'num_stepz'"),
+    ("drafter:\n  exit_dimm: 3\n", "drafter: unknown key(s) ['exit_dimm']"),
+    ("decode:\n  beam_widht: 3\n", "decode config: unknown key(s) 'beam_widht'"),
+])
+def test_a_wrong_nested_key_names_the_file(tmp_path, capsys, section, needle):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("model: random:tiny\n" + section)
+  assert cli.main(["train", "--config", str(bad)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith(f"error: {bad}: ") and needle in err, err
+
+
 def test_data_with_another_vocabulary_is_refused(tmp_path):
   folder = write_synthetic(tmp_path / "d")
   manifest = json.loads((folder / data.MANIFEST).read_text())

@@ -587,7 +587,12 @@ def load_preset(path: str | pathlib.Path, overrides: Mapping[str, Any] | None = 
       if not isinstance(node, dict):
         raise ConfigError(f"override {dotted}: '{p}' is not a section")
     node[leaf] = value
-  return _from_dict(Preset, data, str(path))
+  try:
+    return _from_dict(Preset, data, str(path))
+  except ConfigError as e:  # a nested section's error names the section: add the file
+    if str(e).startswith(str(path)):
+      raise
+    raise ConfigError(f"{path}: {e}") from None
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
