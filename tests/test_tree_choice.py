@@ -183,6 +183,9 @@ def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, ca
   assert "chosen for this device" in out and "timing" not in out  # the cached times
   assert cli.main(args + ["--candidates", "9q9"]) == 2
   assert "--candidates" in capsys.readouterr().err
+  # --time-only reads no prompts: a --prompts beside it is a mistake, not silently ignored
+  assert cli.main(args + ["--time-only", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+  assert "--time-only" in capsys.readouterr().err
 
 
 def test_tune_tree_add_keeps_the_table_and_refuses_other_settings(tmp_path, monkeypatch, capsys):

@@ -15,6 +15,7 @@ import datetime
 import pathlib
 
 HELP = "measure a drafter's tokens/step per tree and pick the tree for this device"
+DEFAULT_PROMPTS = "data/prompts/mix-v1.jsonl.gz"
 
 
 def add_arguments(p) -> None:
@@ -24,8 +25,9 @@ def add_arguments(p) -> None:
   p.add_argument("--drafter", default="shipped", help="drafter folder (default: the shipped one)")
   p.add_argument("--model", default="smollm2-135m",
                  help="the base LLM the drafter belongs to (a known name or a path)")
-  p.add_argument("--prompts", default="data/prompts/mix-v1.jsonl.gz",
-                 help="calibration prompts (JSON lines with 'prompt', optional 'category', 'id')")
+  p.add_argument("--prompts", default=None,
+                 help="calibration prompts (JSON lines with 'prompt', optional 'category', 'id'; "
+                 f"default: {DEFAULT_PROMPTS})")
   p.add_argument("--held-out-from", action="append", default=None, metavar="TEACHER_DIR",
                  help="skip prompts whose id has an answer in this teacher data folder "
                  "(repeatable; default: data/teacher/mix-v1 when it exists)")
@@ -81,6 +83,9 @@ def run(args) -> int:
   except ValueError as e:
     raise ConfigError(f"--candidates: {e}") from None
   path = resolve_drafter(args.drafter)
+  if args.time_only and (args.prompts or args.held_out_from or args.add):
+    raise ConfigError("--time-only keeps the drafter's acceptance.json and reads no calibration "
+                      "prompts: drop --prompts/--held-out-from/--add, or drop --time-only")
   if args.add and (args.time_only or not args.candidates):
     raise ConfigError("--add measures the trees named by --candidates (and not with --time-only)")
   if args.add and tree_choice.read_acceptance(path) is None:
@@ -94,10 +99,11 @@ def run(args) -> int:
     held = args.held_out_from
     if held is None:
       held = [d for d in ("data/teacher/mix-v1",) if pathlib.Path(d).is_dir()]
-    prompts = calibration_prompts(args.prompts, held, args.num_prompts)
+    prompts_path = args.prompts or DEFAULT_PROMPTS
+    prompts = calibration_prompts(prompts_path, held, args.num_prompts)
     tok = load_base_tokenizer(args.model)
     ids = [encode(tok, p.text, chat=True) for p in prompts]
-    print(f"{len(ids)} calibration prompts from {args.prompts} "
+    print(f"{len(ids)} calibration prompts from {prompts_path} "
           f"({dict(collections.Counter(p.category for p in prompts))}), "
           f"not answered in {held or 'no folder'}; {param_dtype} weights", flush=True)
     table = tree_choice.measure_acceptance(
@@ -106,7 +112,7 @@ def run(args) -> int:
         on_result=lambda k, r: print(f"  {k:<12} {r['tokens_per_step']:.3f} tokens/step "
                                      f"({r['tokens']} tokens / {r['steps']} steps)", flush=True))
     measured_with = dict(
-        prompts=str(args.prompts), held_out_from=held, num_prompts=len(ids),
+        prompts=str(prompts_path), held_out_from=held, num_prompts=len(ids),
         ids=[p.id for p in prompts], max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, param_dtype=param_dtype, decoding="greedy",
         date=datetime.date.today().isoformat(), command="redrafter-jax tune-tree")
