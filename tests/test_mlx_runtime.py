@@ -255,3 +255,41 @@ def test_config_json_is_what_the_reference_mlx_loader_reads(tmp_path):
   config = json.loads((folder / "config.json").read_text())
   for field in ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn", "model_type"):
     assert field in config
+
+
+@pytest.mark.slow
+def test_readme_export_route_runs_the_shipped_drafter_in_mlx(tmp_path, capsys):
+  """The README's export commands on the real model: the shipped (multi-layer) drafter refuses
+  Apple's layout with a one-line error naming why, exports in the redrafter-jax layout, and MLX
+  drafts from SmolLM2's layer states the same beams as JAX's beam search, with the same
+  log-probs."""
+  from redrafter_jax import cli
+  from redrafter_jax.weights.shipped import resolve_drafter
+
+  shipped = resolve_drafter("shipped")
+  assert cli.main(["export", "--drafter", str(shipped), "--format", "mlx",
+                   "--out", str(tmp_path / "mlx")]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "feature_layers" in err[0] and "redrafter-jax" in err[0], err
+  assert not (tmp_path / "mlx").exists()
+  out = tmp_path / "rj"
+  assert cli.main(["export", "--drafter", str(shipped), "--format", "redrafter-jax",
+                   "--out", str(out)]) == 0
+  m = mlx_runtime.load_mlx_drafter(out)
+  assert m.config.feature_layers == (2, 15, 27)
+  embed_VD, h_BD, g0_B, tok = mlx_runtime._llm_inputs("smollm2-135m", "Why is the sky blue?",
+                                                      m.config.feature_layers)
+  assert h_BD.shape == (1, 3 * 576)
+  W, L = 4, 5
+  got = mlx_runtime.beam_search(m, embed_VD, h_BD, g0_B, beam_width=W, beam_length=L)
+  drafter = load_drafter(shipped)  # JAX's beam search takes the context: project the states
+  want = beam_search(drafter, jnp.asarray(embed_VD), drafter.context(jnp.asarray(h_BD)),
+                     jnp.asarray(g0_B), beam_width=W, beam_length=L)
+  np.testing.assert_array_equal(_np(got.beams_BWL), np.asarray(want.beams_BWL))
+  # float32 in two libraries' summation orders, over 1728-wide features and logits up to ~25 in
+  # size: measured within 1.1e-3 here (the tiny random drafters above hold 1e-5).
+  np.testing.assert_allclose(_np(got.logp_BWJ), np.asarray(want.logp_BWJ), atol=2e-3)
+  assert mlx_runtime.main(["--drafter", str(out), "--llm", "smollm2-135m",
+                           "--prompt", "Why is the sky blue?"]) == 0
+  printed = capsys.readouterr().out
+  assert "(MLX)" in printed and printed.count("beam ") == W
