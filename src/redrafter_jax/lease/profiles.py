@@ -169,10 +169,12 @@ def train(size: str) -> Profile:
                         "--max-seconds", "{budget}")
       # one prompt shape (--prompt-multiple 384 = --max-prompt-tokens): at most two programs,
       # greedy and sampled; shards of 1024 so that several end within the step and one is held out
-      # batch 1024: the first train lease wrote 37.7k tokens/s at 512 (~7.5 ms a decode step)
+      # batch 1024: the first train lease wrote 37.7k tokens/s at 512 (~7.5 ms a decode step);
+      # 5 sampled answers per prompt (77k jobs, ~19M tokens): at 1024 rows the 51.6k jobs of 3
+      # per prompt could run out before the step's time does
       + fast + (("--batch-size", "1024", "--shard-size", "1024", "--max-new-tokens", "384",
                  "--max-prompt-tokens", "384", "--prompt-multiple", "384",
-                 "--sampled-fraction", "3") if gpu else
+                 "--sampled-fraction", "5") if gpu else
                 ("--limit", "48", "--batch-size", "8", "--shard-size", "16",
                  "--max-new-tokens", "16", "--sampled-fraction", "1.5")), 270,
       "teacher data: the model answers the training prompts, greedy and sampled at T=1, at a "
