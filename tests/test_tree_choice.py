@@ -151,11 +151,10 @@ def test_calibration_prompts_are_held_out_and_spread_over_categories(tmp_path):
   assert len(calibration_prompts(tmp_path / "p.jsonl", [], 100)) == 12
 
 
-def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, capsys):
-  """``redrafter-jax tune-tree`` end to end on a tiny model: calibration prompts -> the
-  drafter's acceptance.json -> this device's timing -> the printed choice; ``--time-only``
-  keeps the table and reads the cached times."""
-  from redrafter_jax import cli
+@pytest.fixture
+def tune_tree_folder(tmp_path, monkeypatch):
+  """A random drafter for the tiny model in ``tmp_path/drafter``, five prompts in
+  ``tmp_path/p.jsonl``, an empty teacher folder and a private tree-timing cache."""
   from redrafter_jax.config import DrafterConfig
   from redrafter_jax.jsonl import write_jsonl
   from redrafter_jax.models.drafter import Drafter
@@ -169,6 +168,16 @@ def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, ca
   write_jsonl([{"id": str(i), "category": "c", "prompt": f"prompt {i}"} for i in range(5)],
               tmp_path / "p.jsonl")
   (tmp_path / "teacher").mkdir()
+  return tmp_path
+
+
+def test_tune_tree_command_measures_writes_and_chooses(tune_tree_folder, capsys):
+  """``redrafter-jax tune-tree`` end to end on a tiny model: calibration prompts -> the
+  drafter's acceptance.json -> this device's timing -> the printed choice; ``--time-only``
+  keeps the table and reads the cached times."""
+  tmp_path = tune_tree_folder
+  from redrafter_jax import cli
+
   args = ["tune-tree", "--model", "random:tiny", "--drafter", str(tmp_path / "drafter")]
   assert cli.main(args + ["--prompts", str(tmp_path / "p.jsonl"), "--held-out-from",
                           str(tmp_path / "teacher"), "--num-prompts", "4", "--batch-size", "2",
@@ -188,23 +197,12 @@ def test_tune_tree_command_measures_writes_and_chooses(tmp_path, monkeypatch, ca
   assert "--time-only" in capsys.readouterr().err
 
 
-def test_tune_tree_add_keeps_the_table_and_refuses_other_settings(tmp_path, monkeypatch, capsys):
+def test_tune_tree_add_keeps_the_table_and_refuses_other_settings(tune_tree_folder, capsys):
   """``--add`` measures only the named trees into the existing table (the others kept, the
   addition recorded); trees measured on other settings are refused, the table left as it was."""
+  tmp_path = tune_tree_folder
   from redrafter_jax import cli
-  from redrafter_jax.config import DrafterConfig
-  from redrafter_jax.jsonl import write_jsonl
-  from redrafter_jax.models.drafter import Drafter
-  from redrafter_jax.weights.base_model import load_base_model
-  from redrafter_jax.weights.drafter_io import save_drafter
 
-  monkeypatch.setenv("REDRAFTER_JAX_CACHE", str(tmp_path / "cache"))
-  _, cfg = load_base_model("random:tiny")
-  save_drafter(Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size),
-                       rngs=nnx.Rngs(0)), tmp_path / "drafter")
-  write_jsonl([{"id": str(i), "category": "c", "prompt": f"prompt {i}"} for i in range(5)],
-              tmp_path / "p.jsonl")
-  (tmp_path / "teacher").mkdir()
   args = ["tune-tree", "--model", "random:tiny", "--drafter", str(tmp_path / "drafter"),
           "--prompts", str(tmp_path / "p.jsonl"), "--held-out-from", str(tmp_path / "teacher"),
           "--num-prompts", "4", "--batch-size", "2"]
