@@ -566,6 +566,90 @@ def test_one_admission_call_equals_one_per_request(llm):
   assert not np.asarray(state.cache.k[0]).reshape(2, B, -1)[:, 1].any()  # the padding row: nowhere
 
 
+LAYERS = (0, 1)  # both of the tiny LLM's layers: a multi-layer drafter's context
+
+
+@pytest.fixture(scope="module")
+def layered_drafter():
+  """A drafter that reads the states of ``LAYERS`` (the shipped drafter's kind), with a random
+  mixing projection so that every layer's state matters."""
+  d = Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48, feature_layers=LAYERS),
+              rngs=nnx.Rngs(2))
+  proj = d.feature_proj.kernel
+  proj.set_value(np.random.default_rng(3).normal(size=proj[...].shape).astype(np.float32) / 8)
+  return d
+
+
+def test_slot_batch_keeps_a_multi_layer_drafters_states(llm, layered_drafter):
+  """After an admission, an AR step and a tree step, each slot's ``h`` is the states of the
+  drafter's layers at its newest cached token, as one forward over the whole text gives them."""
+  from redrafter_jax.models import kv_cache as kvc
+  from redrafter_jax.serving import batch as batch_lib
+
+  B, S, M, T = 2, 96, 24, 64
+  stop = jax.numpy.asarray([EOS], np.int32)
+  batch = batch_lib.empty(LLM_CFG, np.float32, B, S, M, DCFG.beam_length, layers=LAYERS)
+  assert batch.state.h_BD.shape == (B, 2 * 32)
+  prompts = [PROMPTS[2], PROMPTS[4]]
+  tokens = np.zeros((B, T), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  ones = lambda dt: np.ones((B,), dt)
+  batch, _ = batch_lib.admit(llm, batch, np.arange(B, dtype=np.int32), tokens,
+                             np.asarray([len(p) for p in prompts], np.int32), ones(np.uint32),
+                             ones(np.uint32), 0 * ones(np.float32), ones(np.float32),
+                             0 * ones(np.int32), 24 * ones(np.int32), stop, ones(bool) & False,
+                             layers=LAYERS)
+
+  def check(batch, what):
+    s = batch.state
+    for b, p in enumerate(prompts):
+      n = int(s.out.num_B[b])
+      seq = p + np.asarray(s.out.tokens_BM[b, :n - 1]).tolist()  # g0, the last, is not cached
+      assert len(seq) == int(s.cache.lengths_B[b]), what
+      x = jax.numpy.asarray([seq])
+      mask = kvc.causal_mask(jax.numpy.ones_like(x, bool))
+      _, taps, _ = llm.forward_layers(x, jax.numpy.arange(len(seq))[None], mask, None,
+                                      layers=LAYERS)
+      np.testing.assert_allclose(np.asarray(s.h_BD[b]), np.asarray(taps[0, -1]), atol=2e-5,
+                                 err_msg=f"{what}, row {b}")
+
+  check(batch, "admission")
+  batch, _ = jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, 0, layers=LAYERS))(batch)
+  check(batch, "AR step")
+  batch, _ = jax.jit(lambda b: batch_lib.spec_step(llm, layered_drafter, b, stop, DCFG, 0))(batch)
+  check(batch, "tree step")
+  # The check sees a step that keeps other states (here the layers swapped).
+  with pytest.raises(AssertionError, match="planted"):
+    check(jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, 0, layers=LAYERS[::-1]))(batch)[0],
+          "planted")
+
+
+def test_engine_serves_a_multi_layer_drafter_like_decode(llm, tok, layered_drafter):
+  """The server with a multi-layer drafter: tree steps, and AR steps while several rows are
+  active (a cost table in which a tree pays at one row only), give ``decode()``'s greedy tokens,
+  and with tree steps only each request accepts as many drafts as in ``decode()``."""
+  want = decode(llm, layered_drafter, PROMPTS, DCFG, stop_ids=[EOS])
+  engine = Engine(llm, tok, layered_drafter, config=ECFG, stop_ids=[EOS]).start()
+  try:
+    assert engine._place.batch.state.h_BD.shape[1] == 2 * 32
+    idx = [0, 2, 6, 13, 4]
+    results, _ = run_concurrently(engine, [GenerationRequest(PROMPTS[i], max_tokens=24)
+                                           for i in idx])
+    for i, r in zip(idx, results):
+      assert r.token_ids == want.tokens[i], i
+      alone = decode(llm, layered_drafter, [PROMPTS[i]], DCFG, stop_ids=[EOS])
+      assert r.usage["speculative"]["accepted_tokens"] == alone.metrics["accepted_tokens"], i
+    assert sum(r.usage["speculative"]["accepted_tokens"] for r in results) > 0
+    fake = {(b, m, k, c): 0.01 if m == "ar" else 0.011 if b == 1 else 1.0
+            for b in engine._place.row_buckets() for m in policy.MODES for k in policy.KINDS
+            for c in engine._place.context_buckets()}
+    engine.costs = policy.StepCosts(fake, min_seen=None)
+    assert_serves_decode(engine, want.tokens, [1, 3, 5, 7, 9, 11])
+  finally:
+    engine.stop()
+
+
 def test_waiting_prompts_of_one_bucket_are_prefilled_together(llm, tok, reference):
   """While the engine is busy, requests that arrive queue up and are then admitted in calls of
   one prompt bucket each (``Placement.group``), with outputs unchanged; ``prefill_tokens``

@@ -6,8 +6,9 @@ batch, so nothing of it makes a host round trip):
 
   ``admit``     prefill k prompts together (one length bucket, rows bucketed by the caller),
                 choose each first token with its request's own key, and write each row into
-                its slot: cache row, g0, h, output row, done flag, metrics row, sampling
-                settings, key, limit.
+                its slot: cache row, g0, h (the last hidden state, or the states of a
+                multi-layer drafter's ``feature_layers``, which every step keeps current),
+                output row, done flag, metrics row, sampling settings, key, limit.
   ``release``   mark the rows whose request ended on the host done (they stop decoding);
   ``spec_step`` one ReDrafter step (``inference.step.step``) for every slot;
   ``ar_step``   one plain autoregressive step (the ReDrafter-off mode, and the steps where a
@@ -64,15 +65,17 @@ class StepOut:
 
 def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
           beam_length: int, *, layout: str = "XES", cache_dtype=None,
-          stacked: bool = False) -> SlotBatch:
+          stacked: bool = False, layers: tuple[int, ...] = ()) -> SlotBatch:
   """All slots free (done), caches zero, in the attention backend's ``layout`` and
   ``cache_dtype`` (default ``dtype``), stacked for a model that scans over its layers:
-  ``Llama.init_cache``'s form."""
+  ``Llama.init_cache``'s form. ``layers``: the drafter's ``feature_layers``, whose states each
+  slot then carries as ``h`` (``[B, len(layers) * D]``) instead of the last hidden state."""
   B = slots
+  width = cfg.hidden_size * (len(layers) or 1)
   state = step_lib.DecodeState(
       cache=kvc.init(cfg.num_layers, B, cache_size, cfg.num_kv_heads, cfg.head_dim,
                      cache_dtype or dtype, layout, stacked=stacked),
-      g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, cfg.hidden_size), dtype),
+      g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, width), dtype),
       context_BS=jnp.zeros((B, cache_size), jnp.int32), out=empty_output(B, max_tokens),
       done_B=jnp.ones((B,), bool), rng=jax.random.split(jax.random.key(0), B),
       metrics=step_lib.Metrics.zeros(B, beam_length))
@@ -85,19 +88,19 @@ def request_key(seed_lo, seed_hi) -> jax.Array:
 
 
 def admit(llm: Llama, batch: SlotBatch, slots_k, tokens_kT, lengths_k, seed_lo_k, seed_hi_k,
-          temperature_k, top_p_k, top_k_k, limit_k, stop_ids, filtered_k
-          ) -> tuple[SlotBatch, jax.Array]:
+          temperature_k, top_p_k, top_k_k, limit_k, stop_ids, filtered_k, *,
+          layers: tuple[int, ...] = ()) -> tuple[SlotBatch, jax.Array]:
   """Prefill k prompts (one length bucket T, padded) into slots ``slots_k``; returns the batch
   and each request's first token ``[k]``. A slot index ``>= B`` marks a padding row: it is
   prefilled (the call's row count is bucketed) but written nowhere. ``filtered_k``: the row's
   request uses top-k/top-p (the vocabulary sort runs only when some row does). Each row draws
   its first token with its own request's key, so a request's tokens do not depend on which
-  others were admitted with it."""
+  others were admitted with it. ``layers``: the drafter's ``feature_layers`` (``empty``)."""
   s = batch.state
   M = s.out.tokens_BM.shape[1]
   k, T = tokens_kT.shape
   lengths_k = lengths_k.astype(jnp.int32)
-  logits_kV, h_kD, rows = prefill(llm, tokens_kT, lengths_k, llm.init_cache(k, T))
+  logits_kV, h_kD, rows = prefill(llm, tokens_kT, lengths_k, llm.init_cache(k, T), layers)
   params_k = sampling.SamplingParams.make(k, temperature_k, top_p_k, top_k_k)
   rng_k2 = jax.vmap(lambda lo, hi: jax.random.split(request_key(lo, hi)))(seed_lo_k, seed_hi_k)
   draw = lambda f: lambda: jax.vmap(lambda key, lp_V: sampling.sample(key, lp_V[None])[0])(
@@ -164,7 +167,8 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
   keys_B2 = jax.vmap(jax.random.split)(s.rng)
   state = s.replace(rng=keys_B2[:, 0])
   beams, tree = step_lib.draft(llm, drafter, state, cfg, embed_VD)
-  logits_BNV, hidden_BND, cache = step_lib.verify_forward(llm, state, tree, context)
+  logits_BNV, hidden_BND, cache = step_lib.verify_forward(llm, state, tree, context,
+                                                          step_lib.drafter_layers(drafter))
   rule = lambda filtered, greedy: lambda: step_lib.accept(
       keys_B2[:, 1], beams, tree, logits_BNV, batch.params, cfg, filtered, greedy)
   verdict = jax.lax.switch(kind, [rule(False, True), rule(False, False), rule(True, False)])
@@ -174,11 +178,13 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
 
 
 def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
-            context: int | None = None) -> tuple[SlotBatch, StepOut]:
+            context: int | None = None,
+            layers: tuple[int, ...] = ()) -> tuple[SlotBatch, StepOut]:
   """One autoregressive token for every slot (the same bookkeeping as ``spec_step``; ``kind``
   and ``context`` as there: kind 0 takes the argmax without a draw, the top-k/top-p filter runs
   for kind 2 only); ``width`` pads ``StepOut.tokens_BA`` to the speculative step's width, so
-  both modes return one shape."""
+  both modes return one shape. ``layers``: the drafter's ``feature_layers`` (``empty``), whose
+  states the step keeps as ``h`` for the next tree step."""
   s = batch.state
   B = s.g0_B.shape[0]
   M = s.out.tokens_BM.shape[1]
@@ -186,7 +192,12 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
   keys_B2 = jax.vmap(jax.random.split)(s.rng)
   c = s.cache
   mask_B1S = kvc.visible_mask(c.lengths_B, jnp.ones((B, 1, 1), bool), context or c.size)
-  logits_B1V, hidden_B1D, cache = llm(s.g0_B[:, None], c.lengths_B[:, None], mask_B1S, c)
+  if layers:
+    last_B1D, hidden_B1D, cache = llm.forward_layers(s.g0_B[:, None], c.lengths_B[:, None],
+                                                     mask_B1S, c, layers=layers)
+    logits_B1V = llm.logits(last_B1D)
+  else:
+    logits_B1V, hidden_B1D, cache = llm(s.g0_B[:, None], c.lengths_B[:, None], mask_B1S, c)
   cache = kvc.advance(cache, active_B.astype(jnp.int32))
   draw = lambda f: lambda: jax.vmap(lambda k, lp_V: sampling.sample(k, lp_V[None])[0])(
       keys_B2[:, 1], sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=f))

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from redrafter_jax import sharding as sh
 from redrafter_jax.config import ConfigError
 from redrafter_jax.hostmem import memory_mappings, release_free_memory, resident_bytes
+from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
@@ -181,10 +182,13 @@ class Placement:
     # The attention backend's cache layout and dtype (or the model's override), stacked when
     # the model scans over its layers.
     row = jax.eval_shape(lambda: llm.init_cache(1, 1))
+    # A multi-layer drafter reads several layers' states: every slot carries them as its h, and
+    # every step (AR ones too) keeps them current.
+    self.layers = step_lib.drafter_layers(drafter) if drafter is not None else ()
     self._empty = lambda: batch_lib.empty(
         llm_cfg, dtype, config.slots, config.max_context, config.max_tokens,
         config.decode.beam_length, layout=row.layout, cache_dtype=row.k[0].dtype,
-        stacked=row.stacked)
+        stacked=row.stacked, layers=self.layers)
     self._batch_sharding = self._shardings(jax.eval_shape(self._empty), llm.config.num_kv_heads,
                                            row.head_axis)
     # The invariant mode's programs keep every bfloat16 rounding (models.invariant)
@@ -434,10 +438,10 @@ class Placement:
     return first_k
 
   def _admit_jit(self):
-    llm_def = self._llm_def
+    llm_def, layers = self._llm_def, self.layers
 
     def admit(llm_state, batch, *args):
-      return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args)
+      return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args, layers=layers)
 
     return jax.jit(admit, donate_argnums=(1,), out_shardings=self._out,
                    compiler_options=self._options)
@@ -510,7 +514,7 @@ class Placement:
     return out
 
   def _step_jit(self, rows: int, mode: str, context: int):
-    llm_def, drafter_def = self._llm_def, self._drafter_def
+    llm_def, drafter_def, layers = self._llm_def, self._drafter_def, self.layers
     dcfg = self._trees.get(mode)  # None: AR
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
     # Every mode returns the served tree's width of tokens per row (the batch's output shape).
@@ -527,7 +531,8 @@ class Placement:
                                        stop_ids, dcfg, kind, context=context, embed_VD=embed_VD,
                                        width=width)
       else:
-        sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context)
+        sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context,
+                                     layers=layers)
       if whole:
         return sub, out
       return batch_lib.put_rows(batch, idx_b, sub, (start_b, written)), out

@@ -233,11 +233,6 @@ def build(preset: Preset, serve: ServeConfig | None = None, *,
   if config.speculative:
     stage("loading the drafter")
     drafter = load_drafter_for(preset, llm_cfg, random=serve.random_drafter)
-    if drafter.config.feature_layers:
-      raise ConfigError(f"the server cannot serve a drafter that reads several LLM layers yet "
-                        f"(drafter.feature_layers {list(drafter.config.feature_layers)}): its "
-                        "slot batch carries the last hidden state only; serve a reference-format "
-                        "drafter, or decode with rj.ReDrafter")
     folder = None
     if not serve.random_drafter:
       folder = drafter_folder(preset)
