@@ -86,8 +86,8 @@ def run(args) -> int:
   if args.time_only and (args.prompts or args.held_out_from or args.add):
     raise ConfigError("--time-only keeps the drafter's acceptance.json and reads no calibration "
                       "prompts: drop --prompts/--held-out-from/--add, or drop --time-only")
-  if args.add and (args.time_only or not args.candidates):
-    raise ConfigError("--add measures the trees named by --candidates (and not with --time-only)")
+  if args.add and not args.candidates:
+    raise ConfigError("--add measures the trees named by --candidates")
   if args.add and tree_choice.read_acceptance(path) is None:
     raise ConfigError(f"--add: {path} has no {tree_choice.ACCEPTANCE_FILE}; measure the whole "
                       "table first (without --add)")

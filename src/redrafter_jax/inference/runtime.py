@@ -75,6 +75,19 @@ def cache_size_for(prompt_len: int, max_new_tokens: int, extra: int, limit: int,
   return min(round_up(need, multiple), limit)
 
 
+def forward_for_drafter(model: Llama, tokens_BT, positions_BT, mask_BTS, cache: kvc.KVCache,
+                        layers: tuple[int, ...] = (), virtual=None):
+  """The decoder run every decoding step makes: ``(hidden_BTD, feats_BTX, cache)``, where
+  ``feats`` is what the drafter reads as its h: the last hidden state itself, or with ``layers``
+  (a multi-layer drafter's ``feature_layers``) those layers' normed states, concatenated
+  (``Llama.forward_layers``). ``virtual``: as ``Llama.forward_hidden``'s."""
+  if layers:
+    return model.forward_layers(tokens_BT, positions_BT, mask_BTS, cache, virtual, layers=layers)
+  hidden_BTD, cache = model.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache,
+                                           virtual=virtual)
+  return hidden_BTD, hidden_BTD, cache
+
+
 def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tuple[int, ...] = ()):
   """Run the prompts; returns logits and hidden at each row's last prompt token, and the cache.
   With ``layers`` (a multi-layer drafter's ``feature_layers``) the second output is those
@@ -84,14 +97,9 @@ def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tupl
   valid_BT = positions_BT < lengths_B[:, None]
   mask_BTS = kvc.visible_mask(cache.lengths_B, kvc.causal_mask(valid_BT), cache.size)
   last = lambda x_BTX: jnp.take_along_axis(x_BTX, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-  if layers:
-    hidden_BTD, taps_BTX, cache = model.forward_layers(tokens_BT, positions_BT, mask_BTS, cache,
-                                                       layers=layers)
-    return model.logits(last(hidden_BTD)), last(taps_BTX), kvc.advance(cache, lengths_B)
-  hidden_BTD, cache = model.forward_hidden(tokens_BT, positions_BT, mask_BTS, cache)
-  cache = kvc.advance(cache, lengths_B)
-  last_BD = last(hidden_BTD)
-  return model.logits(last_BD), last_BD, cache
+  hidden_BTD, feats_BTX, cache = forward_for_drafter(model, tokens_BT, positions_BT, mask_BTS,
+                                                     cache, layers)
+  return model.logits(last(hidden_BTD)), last(feats_BTX), kvc.advance(cache, lengths_B)
 
 
 @struct.dataclass

@@ -23,7 +23,8 @@ from redrafter_jax.inference import lookup, sampling
 from redrafter_jax.inference import tree as tree_lib
 from redrafter_jax.inference import verify as verify_lib
 from redrafter_jax.inference.beam_search import BeamOutput, beam_search
-from redrafter_jax.inference.runtime import Output, empty_output, prefill, record
+from redrafter_jax.inference.runtime import (Output, empty_output, forward_for_drafter, prefill,
+                                            record)
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.invariant import tree_keys
@@ -149,13 +150,9 @@ def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree,
                                   width or cache.size)
   else:
     mask_BNS = kvc.visible_mask(cache.lengths_B, tree.mask_BNN, width or cache.size)
-  if layers:
-    hidden_BND, taps_BNX, cache = llm.forward_layers(tree.tokens_BN, positions_BN, mask_BNS,
-                                                     cache, virtual, layers=layers)
-    return llm.logits(hidden_BND), taps_BNX, cache
-  hidden_BND, cache = llm.forward_hidden(tree.tokens_BN, positions_BN, mask_BNS, cache,
-                                         virtual=virtual)
-  return llm.logits(hidden_BND), hidden_BND, cache
+  hidden_BND, feats_BNX, cache = forward_for_drafter(llm, tree.tokens_BN, positions_BN, mask_BNS,
+                                                     cache, layers, virtual)
+  return llm.logits(hidden_BND), feats_BNX, cache
 
 
 def per_row_keys(rng) -> bool:

@@ -41,7 +41,7 @@ from flax import struct
 from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.inference import lookup, sampling
 from redrafter_jax.inference import step as step_lib
-from redrafter_jax.inference.runtime import empty_output, prefill, record
+from redrafter_jax.inference.runtime import empty_output, forward_for_drafter, prefill, record
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
@@ -192,12 +192,9 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
   keys_B2 = jax.vmap(jax.random.split)(s.rng)
   c = s.cache
   mask_B1S = kvc.visible_mask(c.lengths_B, jnp.ones((B, 1, 1), bool), context or c.size)
-  if layers:
-    last_B1D, hidden_B1D, cache = llm.forward_layers(s.g0_B[:, None], c.lengths_B[:, None],
-                                                     mask_B1S, c, layers=layers)
-    logits_B1V = llm.logits(last_B1D)
-  else:
-    logits_B1V, hidden_B1D, cache = llm(s.g0_B[:, None], c.lengths_B[:, None], mask_B1S, c)
+  last_B1D, hidden_B1D, cache = forward_for_drafter(llm, s.g0_B[:, None], c.lengths_B[:, None],
+                                                    mask_B1S, c, layers)
+  logits_B1V = llm.logits(last_B1D)
   cache = kvc.advance(cache, active_B.astype(jnp.int32))
   draw = lambda f: lambda: jax.vmap(lambda k, lp_V: sampling.sample(k, lp_V[None])[0])(
       keys_B2[:, 1], sampling.target_logprobs(logits_B1V[:, 0], batch.params, filtered=f))

@@ -148,10 +148,10 @@ def load_mlx_drafter(path, *, dtype: str | None = None):
                        f"(redrafter-jax export --format mlx) or the redrafter-jax one")
   if fields.get(drafter_io.HEAD_ROWS_FIELD):
     raise WeightsError(f"{folder}: its head keeps only the draft vocabulary's rows "
-                       f"({drafter_io.HEAD_ROWS_FIELD} in config.json), which MLX's strict loading "
-                       f"(the reference's and ours) cannot take; write the full head with `redrafter-jax export "
-                       f"--drafter {folder} --format {'mlx' if fmt == 'reference' else fmt} "
-                       f"--out DIR`")
+                       f"({drafter_io.HEAD_ROWS_FIELD} in config.json), which MLX's strict "
+                       f"loading (the reference's and ours) cannot take; write the full head "
+                       f"with `redrafter-jax export --drafter {folder} --format "
+                       f"{'mlx' if fmt == 'reference' else fmt} --out DIR`")
   weights_path = folder / drafter_io.WEIGHTS_FILE
   if not weights_path.is_file():
     raise WeightsError(f"{folder}: no {drafter_io.WEIGHTS_FILE}")
