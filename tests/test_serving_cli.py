@@ -323,15 +323,34 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
     server.with_smaller_trees(fixed.engine.config, ["1x"])
 
 
-def test_server_refuses_a_multi_layer_drafter_in_one_line():
-  from redrafter_jax.config import ConfigError, Preset
+def test_server_built_from_a_preset_serves_a_multi_layer_drafter():
+  """``serve`` with a drafter that reads several layers (the shipped drafter's kind): the
+  engine's slots carry those layers' states, every tree step drafts from them, and the greedy
+  answer is AR's."""
+  from redrafter_jax.config import Preset
+  from redrafter_jax.inference import ar
   from redrafter_jax.serving import server
+  from redrafter_jax.serving.request import GenerationRequest
+  from redrafter_jax.weights.base_model import load_base_model
 
   preset = Preset(model="random:tiny", drafter=dict(feature_layers=[0, 1]),
-                  serve=dict(slots=2, max_context=128, max_tokens=16, random_drafter=True,
+                  decode=dict(beam_width=2, beam_length=3, max_new_tokens=12),
+                  serve=dict(slots=2, max_context=128, max_tokens=12, random_drafter=True,
                              warmup=False))
-  with pytest.raises(ConfigError, match=r"drafter.feature_layers \[0, 1\]"):
-    server.build(preset)  # the preset's serve section
+  served = server.build(preset)  # the preset's serve section
+  try:
+    place = served.engine._place
+    assert place.layers == (0, 1)
+    prompt = [5, 9, 2, 7, 11, 3]
+    done = served.engine.generate(GenerationRequest(prompt_ids=prompt, max_tokens=12))
+    assert done.finish_reason == "length" and len(done.token_ids) == 12
+    llm, _ = load_base_model("random:tiny")  # the same random weights the server made
+    assert done.token_ids == ar.generate(llm, [prompt], max_new_tokens=12).tokens[0]
+    tree_row_steps = served.engine.metrics.registry.get_sample_value(
+        "redrafter_draft_accepted_at_depth_total", {"depth": "0"})
+    assert tree_row_steps > 0  # the answer came from tree steps
+  finally:
+    served.close()
 
 
 def test_serve_settings_come_from_the_preset_then_the_flags(tmp_path, monkeypatch):
