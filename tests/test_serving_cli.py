@@ -324,9 +324,9 @@ def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):
 
 
 def test_server_built_from_a_preset_serves_a_multi_layer_drafter():
-  """``serve`` with a drafter that reads several layers (the shipped drafter's kind): the
-  engine's slots carry those layers' states, every tree step drafts from them, and the greedy
-  answer is AR's."""
+  """``serve`` with a drafter that reads several layers (the shipped drafter's kind) builds: its
+  engine places those layers, answers through tree steps, and the greedy answer is AR's (that the
+  slots' states equal a full forward's is test_serving_engine's)."""
   from redrafter_jax.config import Preset
   from redrafter_jax.inference import ar
   from redrafter_jax.serving import server
