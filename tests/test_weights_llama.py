@@ -10,7 +10,8 @@ from safetensors.numpy import load_file, save_file
 import tiny_models
 from redrafter_jax.config import ConfigError
 from redrafter_jax.models import linear
-from redrafter_jax.weights.llama_weights import HF_TABLE, load_llama, unpermute_qk
+from redrafter_jax.weights.gguf_file import unpermute_qk
+from redrafter_jax.weights.llama_weights import HF_TABLE, load_llama
 from redrafter_jax.weights.naming import WeightsError
 from redrafter_jax.weights.params import flat_params
 

@@ -56,30 +56,27 @@ def pack(model: str | pathlib.Path, out: pathlib.Path, *,
 
   ``tokenizer``: a folder of tokenizer files to ship; default: the model's own, built by
   transformers from the GGUF here (the GPU image cannot: it has no ``gguf``)."""
-  import gguf
-
-  from redrafter_jax.weights.llama_weights import (_GGUF_TO_HF, _gguf_field, _ignored,
-                                                   gguf_config, resolve_source)
-  from redrafter_jax.weights.naming import WeightsError
+  from redrafter_jax.weights.gguf_file import GGUF_TO_HF, read_index
+  from redrafter_jax.weights.llama_weights import resolve_source
+  from redrafter_jax.weights.naming import WeightsError, unused
 
   path = resolve_source(str(model))
   if path.suffix != ".gguf":
     raise WeightsError(f"{path}: the lease carries GGUF models (their quantized bytes fit the "
                        "runner's per-call limit); got a non-GGUF source")
-  reader = gguf.GGUFReader(str(path))
-  cfg = gguf_config(reader)
+  index = read_index(path)
+  data = np.memmap(path, dtype=np.uint8, mode="r")
   if out.exists():
     shutil.rmtree(out)
   out.mkdir(parents=True)
   tensors, offset = [], 0
   with open(out / TENSORS, "wb") as f:
-    for t in reader.tensors:
-      if _ignored(t.name):
+    for t in index.tensors:
+      if unused(t.name):
         continue
-      raw = np.asarray(t.data).tobytes()
-      tensors.append(dict(gguf=t.name, hf=_GGUF_TO_HF.to_ours(t.name)[0],
-                          type=t.tensor_type.name, shape=[int(d) for d in reversed(t.shape)],
-                          offset=offset, nbytes=len(raw)))
+      raw = index.raw(data, t).tobytes()
+      tensors.append(dict(gguf=t.name, hf=GGUF_TO_HF.to_ours(t.name)[0], type=t.type,
+                          shape=list(t.shape), offset=offset, nbytes=len(raw)))
       f.write(raw)
       offset += len(raw)
   if tokenizer is None:
@@ -89,7 +86,7 @@ def pack(model: str | pathlib.Path, out: pathlib.Path, *,
   else:
     shutil.copytree(tokenizer, out / TOKENIZER)
   (out / MANIFEST).write_text(json.dumps(dict(
-      config=cfg.to_hf(), arch=_gguf_field(reader, "general.architecture"), tensors=tensors),
+      config=index.config.to_hf(), arch=index.arch, tensors=tensors),
       indent=1))
   return out
 
@@ -99,7 +96,7 @@ def unpack(src: pathlib.Path, out: pathlib.Path) -> dict[str, np.ndarray]:
   from safetensors.numpy import save_file
 
   from redrafter_jax.config import LlamaConfig
-  from redrafter_jax.weights.llama_weights import unpermute_qk
+  from redrafter_jax.weights.gguf_file import unpermute_qk
 
   if not (src / MANIFEST).is_file() or not (src / TENSORS).is_file():
     raise FileNotFoundError(f"{src}: not a model pack (want {MANIFEST} and {TENSORS})")

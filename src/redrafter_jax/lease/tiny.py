@@ -26,7 +26,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
-  """llama.cpp's row order for Q/K (the inverse of ``llama_weights.unpermute_qk``)."""
+  """llama.cpp's row order for Q/K (the inverse of ``gguf_file.unpermute_qk``)."""
   rows, rest = w.shape[0], w.shape[1:]
   return w.reshape(heads, 2, rows // heads // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 

@@ -21,6 +21,15 @@ class WeightsError(UserError, ValueError):
   """A checkpoint is missing tensors, has unexpected ones, or has wrong shapes."""
 
 
+# Tensors some checkpoints carry that the forward does not use.
+_UNUSED = ("rotary_emb.inv_freq", "rope_freqs.weight")
+
+
+def unused(name: str) -> bool:
+  """Whether a checkpoint tensor is one the forward does not read (RoPE buffers)."""
+  return any(name.endswith(s) for s in _UNUSED)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   ours: str
