@@ -110,6 +110,93 @@ def test_a_multi_layer_drafter_scores_what_decoding_would(tmp_path):
   np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=2e-4)
 
 
+def _walk_beams(llm, drafter, prompt, answer, n, width):
+  """Reference for ``beam_hits``: beam search run position by position on the states decoding
+  hands the drafter, its beams compared with the answer token by token."""
+  from redrafter_jax.inference.beam_search import beam_search
+
+  seq = prompt + answer
+  T = len(seq)
+  args = (jnp.asarray(seq)[None], jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)))
+  layers = tuple(drafter.config.feature_layers)
+  feats = (llm.forward_layers(*args, layers=layers)[1] if layers else
+           llm.forward_hidden(*args)[0])[0]
+  emb = llm.embed_tokens.embedding[...]
+  in_top, in_beams, run = [], [], []
+  for t in range(len(prompt) - 1, T - n - 1):
+    h = drafter.context(feats[t][None])
+    g0 = jnp.asarray([seq[t + 1]], jnp.int32)
+    beams = np.asarray(beam_search(drafter, emb, h, g0, beam_width=width,
+                                   beam_length=n + 1).beams_BWL[0])
+    logp, _ = drafter.step(h, drafter.init_state(h), emb[g0])
+    top = np.argsort(-np.asarray(logp[0]), kind="stable")[:width]
+    if drafter.vocab_ids is not None:
+      top = np.asarray(drafter.vocab_ids[...])[top]
+    want = seq[t + 2:t + 2 + n]
+    in_top.append(want[0] in top.tolist())
+    in_beams.append(want[0] in beams[:, 1].tolist())
+    longest = 0
+    for beam in beams:
+      k = 0
+      while k < n and beam[1 + k] == want[k]:
+        k += 1
+      longest = max(longest, k)
+    run.append(1 + longest)
+  return np.array(in_top), np.array(in_beams), np.array(run)
+
+
+def _answer_along_beams(llm, drafter, prompt, answer, n, width):
+  """``answer`` rewritten left to right so that from every (n+1)-th position one of the beams
+  (a different one each time) continues the answer for its whole length: a random drafter then
+  has full runs, partial ones (other beams share prefixes with it) and misses."""
+  from redrafter_jax.inference.beam_search import beam_search
+
+  seq = list(prompt) + list(answer)
+  emb = llm.embed_tokens.embedding[...]
+  for k, t in enumerate(range(len(prompt) - 1, len(seq) - n - 1, n + 1)):
+    padded = np.zeros((64,), np.int32)
+    padded[:t + 1] = seq[:t + 1]  # the states at t read tokens up to t (causal)
+    feats = acceptance._features(*nnx.split(llm), jnp.asarray(padded)[None],
+                                 tuple(drafter.config.feature_layers))[:, t]
+    beams = beam_search(drafter, emb, drafter.context(feats), jnp.asarray([seq[t + 1]]),
+                        beam_width=width, beam_length=n + 1).beams_BWL[0]
+    seq[t + 2:t + 2 + n] = [int(x) for x in beams[k % width, 1:]]
+  return seq[len(prompt):]
+
+
+def test_beam_hits_equal_a_position_by_position_beam_search(tmp_path):
+  llm, cfg, _ = tiny_models.load_tiny(tmp_path)
+  drafter = Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                  exit_dim=48), rngs=nnx.Rngs(1))
+  prompt = tiny_models.random_tokens(1, 9)
+  for d in (drafter, restrict_vocab(drafter, 40), _layered(cfg)):
+    answer = _answer_along_beams(llm, d, prompt, tiny_models.random_tokens(2, 30), 3, 4)
+    got = acceptance.beam_hits(llm, d, prompt, answer, 3, 4)
+    in_top, in_beams, run = _walk_beams(llm, d, prompt, answer, 3, 4)
+    np.testing.assert_array_equal(got.in_top, in_top)
+    np.testing.assert_array_equal(got.in_beams, in_beams)
+    np.testing.assert_array_equal(got.run, run)
+    assert 0 < in_beams.sum() < in_beams.size and (run == 4).any() and (run == 1).any()
+    assert (got.in_beams <= got.in_top).all()  # the kept beams start with step-1 choices
+    assert (got.with_alternatives() >= got.run).all()
+    assert (got.with_alternatives() == np.where(got.in_top & (got.run == 1), 2, got.run)).all()
+
+
+def test_one_beam_runs_as_far_as_the_teacher_forced_top_1(tmp_path):
+  """With W = 1 beam search drafts the drafter's top-1 chain, which matches the answer exactly
+  as long as the teacher-forced top-1 does: the two measures must agree position by position."""
+  llm, cfg, _ = tiny_models.load_tiny(tmp_path)
+  d = Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, exit_dim=48),
+              rngs=nnx.Rngs(1))
+  prompt = tiny_models.random_tokens(1, 9)
+  answer = _answer_with_hits(llm, d, prompt, tiny_models.random_tokens(2, 30))
+  hits = acceptance.teacher_forced_hits(llm, d, prompt, answer, 3)
+  b = acceptance.beam_hits(llm, d, prompt, answer, 3, 1)
+  np.testing.assert_array_equal(b.in_top, hits[:, 0])
+  np.testing.assert_array_equal(b.in_beams, hits[:, 0])
+  np.testing.assert_array_equal(b.run, acceptance.runs(hits, 4))
+
+
 def test_runs_count_consecutive_hits_from_step_one():
   hits = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1]], bool)
   assert acceptance.runs(hits, 5).tolist() == [3, 1, 5, 2]

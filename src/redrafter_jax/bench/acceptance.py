@@ -13,6 +13,16 @@ drafter:
                     tokens per verification step a W=1, L decode would get if it stopped at every
                     position (real decodes stop only where the previous step ended).
 
+With ``--beams W`` (and L = n + 1) it also runs the drafter's beam search at every position, as
+decoding does (from the same states, g0 = the LLM's token), and reports:
+
+  top-W s1          share of positions whose step-1 target is among the drafter's W first choices
+  in beams          ... among the first drafted tokens of the W beams beam search keeps
+  WxL run           mean of 1 + the longest beam prefix equal to the LLM's tokens: the tokens per
+                    step a greedy W x L tree would get at every position
+  + step-1 alts     the same if the tree also held the step-1 alternatives that beam search
+                    dropped (a beam [g0, alternative] for each): the most such a tree could gain
+
 Being free of timing noise and batch effects, it compares drafters (``--drafter`` repeated)
 exactly and in minutes on a CPU::
 
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import hashlib
 import json
@@ -134,6 +145,64 @@ def teacher_forced_hits(llm, drafter, prompt, answer, n: int) -> np.ndarray:
   return pred == seq[starts[:, None] + 2 + np.arange(n)]
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "width", "length"))
+def _beams(graphdef, state, feats_xX, g0_x, embed_VD, *, width: int, length: int):
+  """Beam search from every position (``beams_xWL``, token ids) and the step-1 top-W ids."""
+  from redrafter_jax.inference.beam_search import beam_search
+
+  drafter = nnx.merge(graphdef, state)
+  h_xD = drafter.context(feats_xX)
+  beams = beam_search(drafter, embed_VD, h_xD, g0_x, beam_width=width, beam_length=length)
+  logits_xV = teacher_forced_logits(drafter, feats_xX, embed_VD[g0_x][:, None])[:, 0]
+  top_xW = jax.lax.top_k(logits_xV, width)[1]
+  if drafter.vocab_ids is not None:
+    top_xW = drafter.vocab_ids[...][top_xW]
+  return beams.beams_BWL, top_xW
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamHits:
+  """Per answer position (as ``teacher_forced_hits``'s rows): the step-1 target among the step-1
+  top-W (``in_top``) and among the kept beams' first drafted tokens (``in_beams``); ``run``, 1 +
+  the longest beam prefix that equals the LLM's tokens."""
+
+  in_top: np.ndarray
+  in_beams: np.ndarray
+  run: np.ndarray
+
+  def with_alternatives(self) -> np.ndarray:
+    """``run`` if the tree also held every step-1 alternative as a beam of its own."""
+    return np.maximum(self.run, 1 + self.in_top)
+
+  @staticmethod
+  def concat(parts: list["BeamHits"]) -> "BeamHits":
+    return BeamHits(*(np.concatenate([getattr(p, f) for p in parts])
+                      for f in ("in_top", "in_beams", "run")))
+
+
+def beam_hits(llm, drafter, prompt, answer, n: int, width: int) -> BeamHits:
+  """Beam search (W = ``width``, L = n + 1) at every position ``teacher_forced_hits`` scores,
+  from the states decoding would hand the drafter there, against the LLM's answer."""
+  T, P = len(prompt) + len(answer), len(prompt)
+  starts = np.arange(P - 1, T - n - 1)
+  if starts.size == 0:
+    return BeamHits(np.zeros((0,), bool), np.zeros((0,), bool), np.zeros((0,), np.int64))
+  seq = np.zeros((_round_up(T + n + 1),), np.int32)
+  seq[:T] = prompt + answer
+  feats_TX = _features(*nnx.split(llm), jnp.asarray(seq)[None],
+                       tuple(drafter.config.feature_layers))[0]
+  x = _round_up(starts.size)
+  padded = np.concatenate([starts, np.full((x - starts.size,), starts[0])])
+  beams_xWL, top_xW = _beams(*nnx.split(drafter), feats_TX[padded], jnp.asarray(seq[padded + 1]),
+                             llm.embed_tokens.embedding[...], width=width, length=n + 1)
+  beams_xWL = np.asarray(beams_xWL)[:starts.size]
+  target_xn = seq[starts[:, None] + 2 + np.arange(n)]
+  match_xWn = np.cumprod(beams_xWL[:, :, 1:] == target_xn[:, None, :], axis=2)
+  return BeamHits(in_top=(np.asarray(top_xW)[:starts.size] == target_xn[:, :1]).any(axis=1),
+                  in_beams=(beams_xWL[:, :, 1] == target_xn[:, None, 0]).any(axis=1),
+                  run=1 + match_xWn.sum(axis=2).max(axis=1))
+
+
 def runs(hits_xn: np.ndarray, L: int) -> np.ndarray:
   """1 + consecutive hits from step 1, capped at L-1 drafted tokens."""
   ok = np.cumprod(hits_xn[:, :L - 1], axis=1)
@@ -160,11 +229,14 @@ def main(argv=None) -> int:
   ap.add_argument("--max-prompt-tokens", type=int, default=1024)
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--steps", type=int, default=4, help="draft steps n (L = n + 1 at most)")
+  ap.add_argument("--beams", type=int, default=0,
+                  help="also run beam search of this width W (L = steps + 1) at every position "
+                  "(0: off)")
   args = ap.parse_args(argv)
   specs = args.drafter or ["shipped"]
-  if args.steps < 1 or args.per_category < 1 or args.skip_per_category < 0:
-    print("error: --steps and --per-category must be >= 1, --skip-per-category >= 0",
-          file=sys.stderr)
+  if args.steps < 1 or args.per_category < 1 or args.skip_per_category < 0 or args.beams < 0:
+    print("error: --steps and --per-category must be >= 1, --skip-per-category and --beams "
+          ">= 0", file=sys.stderr)
     return 2
   try:
     cache = AnswerCache(args.answers)
@@ -181,14 +253,18 @@ def main(argv=None) -> int:
                          args.skip_per_category)
   n = args.steps
   hits = collections.defaultdict(lambda: [np.zeros((0, n), bool) for _ in drafters])
+  beam = collections.defaultdict(lambda: [[] for _ in drafters])
   for k, (cat, ids) in enumerate(prompts):
     answer = cache.get(args.model, ids, args.max_new_tokens,
                        lambda: generate(llm, [ids], max_new_tokens=args.max_new_tokens,
                                         stop_ids=stop_token_ids(tok)).tokens[0])
     for j, d in enumerate(drafters):
       h = teacher_forced_hits(llm, d, ids, answer, n)
+      b = beam_hits(llm, d, ids, answer, n, args.beams) if args.beams else None
       for key in (cat, "all"):
         hits[key][j] = np.concatenate([hits[key][j], h])
+        if b is not None:
+          beam[key][j].append(b)
     print(f"\r{k + 1}/{len(prompts)} prompts", end="", file=sys.stderr, flush=True)
   print(file=sys.stderr)
 
@@ -199,14 +275,20 @@ def main(argv=None) -> int:
   for j, (spec, d) in enumerate(zip(specs, drafters)):
     vocab = "all" if d.vocab_ids is None else d.vocab_ids.shape[0]
     print(f"drafter {j + 1}: {spec} (draft vocabulary {vocab})")
+  W, L = args.beams, n + 1
+  beam_cols = ([f"top-{W} s1", "in beams", f"{W}x{L} run", "+ step-1 alts"] if W else [])
   head = ["category", "positions"] + [
       f"d{j + 1} {col}" for j in range(len(specs))
-      for col in [f"top-1 s{i + 1}" for i in range(min(n, 2))] + [f"W=1 run L={n + 1}"]]
+      for col in [f"top-1 s{i + 1}" for i in range(min(n, 2))] + [f"W=1 run L={L}"] + beam_cols]
   print("\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
   for cat in sorted(hits, key=lambda c: (c == "all", c)):
     row = [f"**{cat}**" if cat == "all" else cat, str(hits[cat][0].shape[0])]
-    for h in hits[cat]:
-      row += [f"{h[:, i].mean():.3f}" for i in range(min(n, 2))] + [f"{runs(h, n + 1).mean():.2f}"]
+    for j, h in enumerate(hits[cat]):
+      row += [f"{h[:, i].mean():.3f}" for i in range(min(n, 2))] + [f"{runs(h, L).mean():.2f}"]
+      if W:
+        b = BeamHits.concat(beam[cat][j])
+        row += [f"{b.in_top.mean():.3f}", f"{b.in_beams.mean():.3f}", f"{b.run.mean():.2f}",
+                f"{b.with_alternatives().mean():.2f}"]
     print("| " + " | ".join(row) + " |")
   return 0
 
