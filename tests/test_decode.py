@@ -132,6 +132,11 @@ def test_decode_traced_once_per_shape(llm, drafter):
     (dict(beam_width=4, beam_length=4, token_budget=14), "token_budget"),
     (dict(temperature=-1.0), "temperature"),
     (dict(acceptance="magic"), "acceptance"),
+    (dict(first_alternatives=-1), "first_alternatives"),
+    (dict(first_alternatives=True), "first_alternatives"),
+    (dict(first_alternatives=2, acceptance="reference"), "step-1 alternatives"),
+    (dict(first_alternatives=9, draft_vocab_size=8), "first_alternatives"),
+    (dict(beam_width=1, beam_length=4, first_alternatives=3, token_budget=8), "token_budget"),
 ])
 def test_bad_decode_config(kwargs, match):
   with pytest.raises(ConfigError, match=match):
@@ -162,6 +167,28 @@ def test_restricted_draft_vocab_keeps_greedy_exact(llm, ar_greedy):
   assert r.tokens == ar_greedy.tokens
   with pytest.raises(ConfigError, match="reference"):
     DecodeConfig(draft_vocab_size=8, acceptance="reference")
+
+
+@pytest.mark.parametrize("W,L,lookup,budget", [(1, 3, 0, None), (2, 4, 2, None), (2, 4, 0, 6)])
+def test_step1_alternatives_keep_greedy_exact_and_get_accepted(llm, ar_greedy, W, L, lookup,
+                                                               budget):
+  """The model's own tokens ranked first and 8 of them drafted: the 8 step-1 alternatives hold
+  the LLM's next token wherever it is one of the 8, so more drafted tokens are accepted than
+  by the beams alone, and the tokens stay AR's (also in the Python-loop twin)."""
+  import dataclasses
+
+  d = Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48), rngs=nnx.Rngs(4))
+  emitted = [t for row in ar_greedy.tokens for t in row]
+  d.token_ranking[...] = np.argsort(-np.bincount(emitted, minlength=V), kind="stable"
+                                    ).astype(np.int32)
+  base = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=24, draft_vocab_size=8,
+                      lookup_ngram=lookup)
+  alts = dataclasses.replace(base, first_alternatives=8, token_budget=budget)
+  plain, with_alts = decode(llm, d, PROMPTS, base), decode(llm, d, PROMPTS, alts)
+  assert plain.tokens == with_alts.tokens == ar_greedy.tokens
+  assert with_alts.metrics["accepted_tokens"] > plain.metrics["accepted_tokens"]
+  stepwise = decode_stepwise(llm, d, PROMPTS, alts)
+  assert stepwise.tokens == with_alts.tokens and stepwise.metrics == with_alts.metrics
 
 
 def test_context_buckets_keep_tokens_and_cross_segments(llm, drafter):

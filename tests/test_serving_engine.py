@@ -221,6 +221,13 @@ def test_smaller_trees_are_checked(trees, match):
     dataclasses.replace(ECFG, trees=("1x3",), tree_priors=(3.5,))
 
 
+def test_a_smaller_tree_keeps_its_step1_alternatives():
+  """``+aK`` in a served tree's text reaches its decode settings (not the served tree's)."""
+  modes = dataclasses.replace(ECFG, trees=("1x2+a2", "1x2")).tree_modes()
+  assert modes["spec:1x2+a2"].first_alternatives == 2
+  assert modes["spec:1x2"].first_alternatives == modes["spec"].first_alternatives == 0
+
+
 def test_a_step_after_a_prefill_does_not_price_the_step(self_engine, reference):
   """The device runs an admission's prefill just before the next step, so the time between
   two reads is both's: the served-cost table leaves that step out (the policy compares step

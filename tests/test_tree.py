@@ -55,7 +55,8 @@ def _random_beams(rng, B, W, L, vocab):
 
 
 def _brute_force_checks(beams, t, scores=None):
-  """Compare every packed structure against definitions computed by plain Python."""
+  """Compare every packed structure against definitions computed by plain Python. A prefix
+  holding a negative token is no node (a beam that ends early)."""
   B, W, L = beams.shape
   N = t.size
   for b in range(B):
@@ -63,7 +64,7 @@ def _brute_force_checks(beams, t, scores=None):
     for j in range(L):  # breadth-first: depth, then beam index
       for i in range(W):
         key = tuple(beams[b, i, :j + 1])
-        if key not in first:
+        if key not in first and min(key) >= 0:
           first[key] = (len(first), i, j)
     # Best prefix score first; ties keep breadth-first order.
     order = sorted(first, key=lambda k: (0.0 if scores is None else -scores[b, first[k][1],
@@ -82,12 +83,12 @@ def _brute_force_checks(beams, t, scores=None):
       # The mask row is exactly the node's ancestors and itself.
       ancestors = {prefixes[key[:k]] for k in range(1, len(key) + 1)}
       assert set(np.flatnonzero(np.asarray(t.mask_BNN[b, n]))) == ancestors
+    slot_of = lambda i, j: prefixes.get(tuple(beams[b, i, :j + 1]), N)
     for i, j in itertools.product(range(W), range(L)):
-      slot = prefixes[tuple(beams[b, i, :j + 1])]
-      assert int(t.node_BWL[b, i, j]) == (slot if slot < N else N)
+      assert int(t.node_BWL[b, i, j]) == min(slot_of(i, j), N)
     for i in range(W):
       # A beam is usable up to its first cut node (ancestors precede descendants).
-      expect = next((j for j in range(L) if prefixes[tuple(beams[b, i, :j + 1])] >= N), L)
+      expect = next((j for j in range(L) if slot_of(i, j) >= N), L)
       assert int(t.beam_len_BW[b, i]) == expect
 
 
@@ -105,6 +106,25 @@ def test_pack_matches_brute_force(W, L, vocab, budget, jitted):
   usable = np.arange(L)[None, None, :] < np.asarray(t.beam_len_BW)[:, :, None]
   np.testing.assert_array_equal(restored[usable], beams[usable])
   assert (restored[~usable] == -1).all()
+
+
+@pytest.mark.parametrize("budget", [None, 9])
+@JIT
+def test_beams_that_end_early_add_no_nodes_past_their_end(budget, jitted):
+  """Negative tokens end a beam (the step-1 alternatives are [g0, token, -1, ...]): the packed
+  tree is the brute-force tree of the beams' present prefixes."""
+  _, pack, unpack = tree_fns(jitted)
+  rng = np.random.default_rng(7)
+  B, W, L = 6, 8, 5
+  beams = _random_beams(rng, B, W, L, 4)
+  ends = rng.integers(1, L + 1, size=(B, W))  # beam i keeps its first ends[b, i] tokens
+  beams = np.where(np.arange(L)[None, None, :] < ends[:, :, None], beams, -1)
+  t = pack(jnp.asarray(beams), budget or W * (L - 1) + 1)
+  _brute_force_checks(beams, t)
+  assert (np.asarray(t.beam_len_BW) <= ends).all() and (np.asarray(t.tokens_BN) >= 0).all()
+  restored = np.asarray(unpack(t, t.tokens_BN, -1))
+  usable = np.arange(L)[None, None, :] < np.asarray(t.beam_len_BW)[:, :, None]
+  np.testing.assert_array_equal(restored[usable], beams[usable])
 
 
 @pytest.mark.parametrize("budget", [6, 10, 33])

@@ -17,9 +17,19 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [3, 1
 
 
 def test_tree_text_round_trips():
-  for b in Beams.parse_list(tree_choice.DEFAULT_CANDIDATES + ",3x3,2x5+2"):
+  for b in Beams.parse_list(tree_choice.DEFAULT_CANDIDATES + ",3x3,2x5+2,8x5+a8,1x4+3+a3/7"):
     assert Beams.parse_list(b.text) == [b]
   assert Beams(1, 4, 3, 5).text == "1x4+3/5" and Beams(2, 3).text == "2x3"
+  (alts,) = Beams.parse_list("1x4+3+a3/7")
+  assert alts == Beams(1, 4, 3, 7, alternatives=3) and alts.config().first_alternatives == 3
+  assert Beams.parse_list("8x5+a8")[0].config().num_tree_tokens == 8 * 4 + 1 + 8
+
+
+@pytest.mark.parametrize("text", ["8x5+a", "8x5+3+3", "8x5+a2+a3", "8x5+a8+3", "8x5+", "1x4+a2/9",
+                                  "8x5+a-1"])
+def test_malformed_tree_text_is_refused(text):
+  with pytest.raises(ValueError, match=r"WxL\[\+n\]\[\+aK\]\[/N\]"):
+    Beams.parse_list(text)
 
 
 def test_measured_acceptance_is_decode_tokens_per_step(llm, drafter):

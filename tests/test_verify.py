@@ -141,6 +141,18 @@ def test_exact_rule_with_lookup_beam_matches_ar_distribution(llm, drafter):
   assert chi_square_pvalue(r.tokens, probs) > 1e-4
 
 
+def test_exact_rule_with_step1_alternatives_matches_ar_distribution(llm, drafter):
+  """The step-1 alternatives join the tree as siblings of the beams' first tokens: sampling
+  stays exact."""
+  setting = SETTINGS[0]
+  probs = exact_ar_probs(llm, **setting)
+  cfg = DecodeConfig(beam_width=1, beam_length=3, max_new_tokens=K, first_alternatives=4)
+  r = decode(llm, drafter, [PROMPT] * N_SAMPLES, cfg, seed=4, **setting)
+  assert r.metrics["mean_unique_tokens"] > 5.5  # the 3 alternatives the beam does not start with
+  assert r.metrics["accepted_tokens"] > N_SAMPLES // 4
+  assert chi_square_pvalue(r.tokens, probs) > 1e-4
+
+
 def test_typical_acceptance_at_temperature_zero_is_greedy(llm, drafter):
   prompts = [PROMPT, [5, 6], [7]]
   ar = generate(llm, prompts, max_new_tokens=12)

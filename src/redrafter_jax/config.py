@@ -248,10 +248,15 @@ class DecodeConfig:
   acceptance: str = "exact"
   typical_eps: float = 0.09
   typical_delta: float = 0.3
-  token_budget: int | None = None  # N; None means beams*(L-1)+1 (never truncates the tree)
+  token_budget: int | None = None  # N; None: the whole tree (``whole_tree_tokens``, never cut)
   # One more beam copied from the context after the latest match of its last 1..n tokens
   # (prompt lookup; ``inference/lookup.py``); 0 = off. Exact: the tree is verified as usual.
   lookup_ngram: int = 0
+  # Also put the drafter's K best first tokens in the tree, each as a 2-token beam [g0, token]
+  # (``inference/step.py``): beam search keeps the beams of highest joint probability, which
+  # often all start with the same token, and drops the step-1 alternatives; 0 = off. Adds at
+  # most K tree tokens (fewer where a kept beam starts with the same token). Exact as any tree.
+  first_alternatives: int = 0
   # Draft only the R most frequent tokens (the drafter's token ranking); 0 = the whole vocab.
   draft_vocab_size: int = 0
   cache_size: int | None = None  # S; None means prompt + max_new_tokens + L, rounded up
@@ -300,14 +305,25 @@ class DecodeConfig:
     if self.lookup_ngram and self.acceptance == "reference":
       raise ConfigError("acceptance='reference' needs a drafter distribution for every beam; "
                         "the context-lookup beam has none: set lookup_ngram=0")
+    if (not isinstance(self.first_alternatives, int) or isinstance(self.first_alternatives, bool)
+        or self.first_alternatives < 0):
+      raise ConfigError(f"first_alternatives must be an integer >= 0 (0 = off), got "
+                        f"{self.first_alternatives!r}")
+    if self.first_alternatives and self.acceptance == "reference":
+      raise ConfigError("acceptance='reference' needs a drafter distribution along every beam; "
+                        "the step-1 alternatives have none: set first_alternatives=0")
+    if self.draft_vocab_size and self.draft_vocab_size < self.first_alternatives:
+      raise ConfigError(f"draft_vocab_size ({self.draft_vocab_size}) must be >= "
+                        f"first_alternatives ({self.first_alternatives})")
     if self.token_budget is not None:
       lo = self.beam_length
-      hi = self.num_beams * (self.beam_length - 1) + 1
+      hi = self.whole_tree_tokens
       if not lo <= self.token_budget <= hi:
         raise ConfigError(
             f"token_budget must be in [{lo}, {hi}] for beam_width={self.beam_width}, "
-            f"beam_length={self.beam_length}, lookup_ngram={self.lookup_ngram} (one full beam "
-            f"must fit), got {self.token_budget}")
+            f"beam_length={self.beam_length}, lookup_ngram={self.lookup_ngram}, "
+            f"first_alternatives={self.first_alternatives} (one full beam must fit), got "
+            f"{self.token_budget}")
 
   @property
   def num_beams(self) -> int:
@@ -315,10 +331,16 @@ class DecodeConfig:
     return self.beam_width + (1 if self.lookup_ngram else 0)
 
   @property
+  def whole_tree_tokens(self) -> int:
+    """Tree tokens when no prefix is shared: the root, the beams' drafted tokens and the step-1
+    alternatives."""
+    return self.num_beams * (self.beam_length - 1) + 1 + self.first_alternatives
+
+  @property
   def num_tree_tokens(self) -> int:
     if self.token_budget is not None:
       return self.token_budget
-    return self.num_beams * (self.beam_length - 1) + 1
+    return self.whole_tree_tokens
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> "DecodeConfig":
@@ -470,7 +492,7 @@ class ServeConfig:
   # "auto": the draft tree predicted fastest on this device for the drafter (the preset's when
   # the drafter has no acceptance table); "preset": the preset's decode settings.
   tree: str = "auto"
-  trees: tuple[str, ...] = ()  # smaller trees the policy may run instead (``WxL[+n][/N]``)
+  trees: tuple[str, ...] = ()  # smaller trees the policy may run instead (``WxL[+n][+aK][/N]``)
   devices: int | None = None  # devices on the model axis (None: all local ones)
   # Compile before serving: a covering set of programs (ready sooner; the rest compile in the
   # background), or with warmup_all every prompt bucket and step mode; False: none (each

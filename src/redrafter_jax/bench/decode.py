@@ -164,7 +164,8 @@ def main(argv=None) -> int:
       n, secs, steps, acc, tree, same = totals[x, cfg]
       print(f"| {x} | ReDrafter {b.label} | {n / secs:.1f} | {n / secs / ar_tps:.2f}x | "
             f"{(acc + steps) / max(steps, 1):.2f} | {tree / max(steps, 1):.1f} / "
-            f"{cfg.num_beams * cfg.beam_length} | {same}/{len(prompts)} |")
+            f"{cfg.num_beams * cfg.beam_length + 2 * cfg.first_alternatives} | "
+            f"{same}/{len(prompts)} |")
   print("\n| layout | setting | N | draft (beam search + pack) ms | verify forward ms "
         "| accept+commit ms | overhead / verify |")
   print("|---|---|---|---|---|---|---|")

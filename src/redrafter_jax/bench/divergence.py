@@ -326,7 +326,7 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--draft-vocab", type=int, default=None,
                  help="draft vocabulary size (0 = all; default: the drafter's decode.json, "
                  "else all)")
-  p.add_argument("--beams", default="1x4+3/5,4x5", help="greedy ReDrafter trees WxL[+n][/N]")
+  p.add_argument("--beams", default="1x4+3/5,4x5", help="greedy ReDrafter trees WxL[+n][+aK][/N]")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                  help="the LLM's activations and the drafter's dtype")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="bfloat16",

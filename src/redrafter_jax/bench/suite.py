@@ -85,16 +85,19 @@ class Method:
   lookup_ngram: int = 0  # the context-lookup beam's n-gram size (0: none)
   token_budget: int = 0  # tree tokens N (0: the whole tree)
   param_dtype: str = ""  # the LLM's weights when not the run's own (--param-dtype)
+  first_alternatives: int = 0  # the step-1 alternatives K (0: none)
 
   @classmethod
   def redrafter(cls, b: Beams, prefix: str = "", label: str = "", temperature: float = 0.0,
                 acceptance: str = "greedy", reference: str = "ar_greedy") -> "Method":
     return cls(f"redrafter_{prefix}{b.key}", f"ReDrafter {label}{b.label}", "redrafter",
-               temperature, b.width, b.length, acceptance, reference, b.lookup, b.budget)
+               temperature, b.width, b.length, acceptance, reference, b.lookup, b.budget,
+               first_alternatives=b.alternatives)
 
   @property
   def beams(self) -> Beams:
-    return Beams(self.beam_width, self.beam_length, self.lookup_ngram, self.token_budget)
+    return Beams(self.beam_width, self.beam_length, self.lookup_ngram, self.token_budget,
+                 self.first_alternatives)
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -119,7 +122,7 @@ def parse_args(argv) -> argparse.Namespace:
   p.add_argument("--beams", help=f"greedy ReDrafter settings WxL, or WxL+n with the "
                  f"context-lookup beam (n-grams up to n), each optionally /N with a tree token "
                  f"budget N (default {FULL['beams']})")
-  p.add_argument("--main-beams", help="WxL[+n][/N] of the sampling runs and the batch sweep "
+  p.add_argument("--main-beams", help="WxL[+n][+aK][/N] of the sampling runs and the batch sweep "
                  f"(default {FULL['main_beams']})")
   p.add_argument("--temperatures", help=f"exact-sampling temperatures (default "
                  f"{FULL['temperatures']})")

@@ -39,7 +39,7 @@ def add_arguments(p):
                  help="auto: the draft tree predicted fastest on this device for the drafter "
                  "(timed once, cached; the preset's when the drafter has no acceptance.json); "
                  f"preset: the preset's decode settings {default('tree')}")
-  p.add_argument("--trees", default=None, metavar="WxL[+n][/N],...",
+  p.add_argument("--trees", default=None, metavar="WxL[+n][+aK][/N],...",
                  help="smaller draft trees to run instead of the served one when they give a "
                  "step's rows more tokens per second (e.g. 1x2+3/3,1x3+3/4; those that do not fit "
                  "within the served tree are skipped); each adds step programs to the warm-up "

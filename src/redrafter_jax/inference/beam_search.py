@@ -31,10 +31,16 @@ class BeamOutput:
   score_BW: jax.Array  # float32, sum of logp along the beam (beams are sorted by it, best first)
   # Drafter distributions along the beams (only when asked for; over the draft vocabulary).
   full_logp_BWJV: jax.Array | None = None
+  # The drafter's K best first drafted tokens and their log-probs (only when asked for): the
+  # step-1 alternatives, which the kept beams may no longer start with.
+  first_BK: jax.Array | None = None
+  first_logp_BK: jax.Array | None = None
 
 
 def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: jax.Array, *,
-                beam_width: int, beam_length: int, return_full: bool = False) -> BeamOutput:
+                beam_width: int, beam_length: int, return_full: bool = False,
+                first_k: int = 0) -> BeamOutput:
+  """``first_k`` > 0 also returns the drafter's ``first_k`` best first tokens (``first_BK``)."""
   B, D = h_BD.shape
   W, L = beam_width, beam_length
   vocab_ids = drafter.vocab_ids[...] if drafter.vocab_ids is not None else None
@@ -69,9 +75,15 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
       full_BWJV = jax.lax.dynamic_update_index_in_dim(full_BWJV, gather(logp_BWV, parent_BW),
                                                        t, axis=2)
     state_BWD = gather(state_BWD, parent_BW)
-    return (beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD), None
+    first = None
+    if first_k:  # every beam is beam 0 at the first step: its top-k are the step-1 choices
+      first_logp_BK, first_BK = jax.lax.top_k(logp_BWV[:, 0], first_k)
+      first = (first_BK if vocab_ids is None else vocab_ids[first_BK], first_logp_BK)
+    return (beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD), first
 
   carry = (beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD)
-  (beams_BWL, score_BW, logp_BWJ, full_BWJV, _), _ = jax.lax.scan(
+  (beams_BWL, score_BW, logp_BWJ, full_BWJV, _), first = jax.lax.scan(
       step, carry, jnp.arange(L - 1))
-  return BeamOutput(beams_BWL, logp_BWJ, score_BW, full_BWJV)
+  if first is None:
+    return BeamOutput(beams_BWL, logp_BWJ, score_BW, full_BWJV)
+  return BeamOutput(beams_BWL, logp_BWJ, score_BW, full_BWJV, first[0][0], first[1][0])

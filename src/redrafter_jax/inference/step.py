@@ -112,9 +112,16 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig,
     embed_VD = llm.embed_tokens.embedding[...] if embed_VD is None else embed_VD
     beams = beam_search(drafter, embed_VD, drafter.context(state.h_BD), state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
-                        return_full=cfg.acceptance == "reference")
+                        return_full=cfg.acceptance == "reference",
+                        first_k=cfg.first_alternatives)
+  first = (beams.first_BK, beams.first_logp_BK)
   if cfg.lookup_ngram:
     beams = with_lookup_beam(beams, state, cfg.lookup_ngram)
+  if cfg.first_alternatives:
+    if first[0] is None:
+      raise ValueError(f"{type(drafter).__name__}.propose returned no step-1 alternatives "
+                       "(BeamOutput.first_BK), which first_alternatives needs")
+    beams = with_first_alternatives(beams, *first)
   prefix_logp_BWL = jnp.pad(jnp.cumsum(beams.logp_BWJ, axis=2), ((0, 0), (0, 0), (1, 0)))
   return beams, tree_lib.pack(beams.beams_BWL, cfg.num_tree_tokens, prefix_logp_BWL)
 
@@ -129,6 +136,21 @@ def with_lookup_beam(beams: BeamOutput, state: DecodeState, max_ngram: int) -> B
   return BeamOutput(beams_BWL=jnp.concatenate([beams.beams_BWL, beam_BL[:, None]], axis=1),
                     logp_BWJ=jnp.concatenate([beams.logp_BWJ, jnp.zeros((B, 1, J))], axis=1),
                     score_BW=jnp.concatenate([beams.score_BW, jnp.zeros((B, 1))], axis=1))
+
+
+def with_first_alternatives(beams: BeamOutput, first_BK, first_logp_BK) -> BeamOutput:
+  """Append each step-1 alternative as a beam ``[g0, token]`` that ends there (its later
+  positions hold -1, which ``tree.pack`` leaves out). Where a kept beam starts with the same
+  token the alternative de-duplicates to nothing; the others cost one tree token each."""
+  B, W, L = beams.beams_BWL.shape
+  K = first_BK.shape[1]
+  alt_BKL = jnp.full((B, K, L), -1, jnp.int32)
+  alt_BKL = alt_BKL.at[:, :, 0].set(beams.beams_BWL[:, :1, 0]).at[:, :, 1].set(first_BK)
+  logp_BKJ = jnp.zeros((B, K, L - 1), jnp.float32).at[:, :, 0].set(first_logp_BK)
+  return beams.replace(beams_BWL=jnp.concatenate([beams.beams_BWL, alt_BKL], axis=1),
+                       logp_BWJ=jnp.concatenate([beams.logp_BWJ, logp_BKJ], axis=1),
+                       score_BW=jnp.concatenate([beams.score_BW, first_logp_BK], axis=1),
+                       full_logp_BWJV=None)
 
 
 def verify_forward(llm: Llama, state: DecodeState, tree: tree_lib.Tree,

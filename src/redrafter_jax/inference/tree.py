@@ -55,14 +55,17 @@ def pack(beams_BWL: jax.Array, budget: int, prefix_logp_BWL: jax.Array | None = 
   """Build the packed tree of ``budget`` = N slots from the beams of each row.
 
   ``prefix_logp_BWL[b, i, j]`` (optional) is the drafter's log-probability of beam i's first j+1
-  tokens (0 at the root); it decides which nodes a budget keeps.
+  tokens (0 at the root); it decides which nodes a budget keeps. A negative token ends its beam
+  there: it and the positions after it are no nodes (a beam shorter than L, such as a step-1
+  alternative), as if the budget had cut them.
   """
   B, W, L = beams_BWL.shape
   N = budget
   prefix_BWL = dedup_prefix(beams_BWL)
   beam_W = jnp.arange(W)
   depth_L = jnp.arange(L)
-  unique_BWL = prefix_BWL == beam_W[None, :, None]
+  present_BWL = jnp.cumprod(beams_BWL >= 0, axis=2).astype(bool)
+  unique_BWL = (prefix_BWL == beam_W[None, :, None]) & present_BWL
   # Best first; a stable sort over the (depth, beam)-flattened order breaks ties breadth-first.
   score_BWL = (jnp.zeros((B, W, L), jnp.float32) if prefix_logp_BWL is None
                else prefix_logp_BWL.astype(jnp.float32))

@@ -38,13 +38,16 @@ from redrafter_jax.errors import UserError
 @dataclasses.dataclass(frozen=True)
 class Beams:
   """A tree setting, written ``WxL`` (W drafter beams of length L, g0 included), ``WxL+n``
-  (plus the context-lookup beam matching up to n tokens: ``DecodeConfig.lookup_ngram``) and
-  optionally ``/N`` (a token budget of N tree tokens: ``DecodeConfig.token_budget``)."""
+  (plus the context-lookup beam matching up to n tokens: ``DecodeConfig.lookup_ngram``),
+  optionally ``+aK`` (the drafter's K best first tokens as beams of their own:
+  ``DecodeConfig.first_alternatives``) and ``/N`` (a token budget of N tree tokens:
+  ``DecodeConfig.token_budget``)."""
 
   width: int
   length: int
   lookup: int = 0
   budget: int = 0  # 0: the whole tree
+  alternatives: int = 0
 
   @classmethod
   def parse_list(cls, text: str) -> list["Beams"]:
@@ -55,16 +58,23 @@ class Beams:
         continue
       try:
         rest, _, budget = item.partition("/")
-        wl, _, n = rest.partition("+")
+        wl, *extras = rest.split("+")
         w, l = (int(x) for x in wl.split("x"))
-        b = cls(w, l, int(n) if n else 0, int(budget) if budget else 0)
+        n = [int(e) for e in extras if not e.startswith("a")]
+        k = [int(e[1:]) for e in extras if e.startswith("a")]
+        if len(n) > 1 or len(k) > 1 or extras[-1:] == [""] or (k and n and
+                                                               extras[0].startswith("a")):
+          raise ValueError(item)
+        b = cls(w, l, n[0] if n else 0, int(budget) if budget else 0, k[0] if k else 0)
         b.config()  # the budget must fit the tree
       except (ValueError, ConfigError):
         b = None
-      if b is None or b.width < 1 or b.length < 2 or not 0 <= b.lookup <= 8:
-        raise ValueError(f"want WxL, WxL+n or WxL+n/N settings with W >= 1, L >= 2 (L counts "
-                         f"g0), lookup n-gram n <= 8 and a token budget L <= N <= the tree's "
-                         f"size, e.g. 4x4,1x4+3,1x4+3/5; got {item!r}")
+      if (b is None or b.width < 1 or b.length < 2 or not 0 <= b.lookup <= 8
+          or b.alternatives < 0):
+        raise ValueError(f"want WxL[+n][+aK][/N] settings with W >= 1, L >= 2 (L counts g0), "
+                         f"lookup n-gram n <= 8, K step-1 alternatives and a token budget "
+                         f"L <= N <= the tree's size, e.g. 4x4,1x4+3,1x4+3/5,8x5+3+a8; got "
+                         f"{item!r}")
       out.append(b)
     if not out:
       raise ValueError(f"no WxL setting in {text!r}")
@@ -73,22 +83,26 @@ class Beams:
   @property
   def key(self) -> str:
     return (f"W{self.width}_L{self.length}" + (f"_lookup{self.lookup}" if self.lookup else "")
+            + (f"_alt{self.alternatives}" if self.alternatives else "")
             + (f"_N{self.budget}" if self.budget else ""))
 
   @property
   def text(self) -> str:
-    """The written form ``parse_list`` reads: ``WxL[+n][/N]``."""
+    """The written form ``parse_list`` reads: ``WxL[+n][+aK][/N]``."""
     return (f"{self.width}x{self.length}" + (f"+{self.lookup}" if self.lookup else "")
+            + (f"+a{self.alternatives}" if self.alternatives else "")
             + (f"/{self.budget}" if self.budget else ""))
 
   @property
   def label(self) -> str:
     return (f"W={self.width} L={self.length}" + (f" + lookup {self.lookup}" if self.lookup else "")
+            + (f" + {self.alternatives} step-1 alternatives" if self.alternatives else "")
             + (f", N={self.budget}" if self.budget else ""))
 
   def config(self, **kwargs) -> DecodeConfig:
     return DecodeConfig(beam_width=self.width, beam_length=self.length,
-                        lookup_ngram=self.lookup, token_budget=self.budget or None, **kwargs)
+                        lookup_ngram=self.lookup, token_budget=self.budget or None,
+                        first_alternatives=self.alternatives, **kwargs)
 
 
 ACCEPTANCE_FILE = "acceptance.json"
@@ -188,7 +202,8 @@ def read_acceptance(folder) -> dict[Beams, float] | None:
 
 def tokens_per_step_for(table: dict[Beams, float] | None, cfg: DecodeConfig) -> float | None:
   """The measured tokens/step of ``cfg``'s tree in ``table`` (None when it was not measured)."""
-  key = Beams(cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget or 0)
+  key = Beams(cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget or 0,
+              cfg.first_alternatives)
   return (table or {}).get(key)
 
 

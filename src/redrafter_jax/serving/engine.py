@@ -92,8 +92,8 @@ class EngineConfig:
   # ... and space those runs out so that what they lose against the chosen mode stays within
   # this fraction of the served time (``policy.explore_interval``); 0: every explore_every.
   explore_budget: float = 0.01
-  # Smaller draft trees the policy may run instead of ``decode``'s (``WxL[+n][/N]`` texts, each
-  # with L and N at most ``decode``'s): per step, the tree (or AR) that gives the step's rows
+  # Smaller draft trees the policy may run instead of ``decode``'s (``WxL[+n][+aK][/N]`` texts,
+  # each with L and N at most ``decode``'s): per step, the tree (or AR) that gives the step's rows
   # the most tokens per second, so the tree shrinks as the batch grows. Each is one more step
   # mode (``tree_modes``): a program per rows and context bucket, compiled at warm-up.
   trees: tuple[str, ...] = ()
@@ -147,16 +147,19 @@ class EngineConfig:
     base = base or d
     out = {"spec": base}
     if not isinstance(self.trees, (tuple, list)):
-      raise ConfigError(f"serving: trees must be a list of WxL[+n][/N] texts, got {self.trees!r}")
+      raise ConfigError(f"serving: trees must be a list of WxL[+n][+aK][/N] texts, got "
+                        f"{self.trees!r}")
     for text in self.trees:
       try:
         (beams,) = Beams.parse_list(str(text))
       except ValueError as e:
         raise ConfigError(f"serving: tree {text!r}: {e}") from None
       cfg = dataclasses.replace(base, beam_width=beams.width, beam_length=beams.length,
-                                lookup_ngram=beams.lookup, token_budget=beams.budget or None)
+                                lookup_ngram=beams.lookup, token_budget=beams.budget or None,
+                                first_alternatives=beams.alternatives)
       mode = tree_mode(beams.text)
-      shape = lambda c: (c.beam_width, c.beam_length, c.lookup_ngram, c.num_tree_tokens)
+      shape = lambda c: (c.beam_width, c.beam_length, c.lookup_ngram, c.num_tree_tokens,
+                         c.first_alternatives)
       if mode in out or any(shape(cfg) == shape(c) for c in out.values()):
         raise ConfigError(f"serving: tree {text!r} is given twice (or is decode's own tree)")
       if cfg.beam_length > d.beam_length or cfg.num_tree_tokens > d.num_tree_tokens:

@@ -144,7 +144,7 @@ def measured_prior(table, cfg) -> float | None:
 def with_smaller_trees(config: EngineConfig, trees: Sequence[str], folder=None
                        ) -> EngineConfig:
   """``config`` with the extra trees a server runs (``EngineConfig.trees``): those of ``trees``
-  (``WxL[+n][/N]``) that fit within the served tree and differ from it (the served tree may be
+  (``WxL[+n][+aK][/N]``) that fit within the served tree and differ from it (the served tree may be
   chosen on the device, so the others are skipped with a log line), each with its measured
   tokens/step from the drafter's acceptance.json in ``folder`` as its prior when it has one.
   A malformed tree is a ``ConfigError``."""
