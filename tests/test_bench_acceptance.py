@@ -13,6 +13,16 @@ from redrafter_jax.models.drafter import Drafter, restrict_vocab
 from tests import tiny_models
 
 
+def _walk_features(llm, drafter, seq):
+  """What decoding hands the drafter at every position of ``seq``: the last hidden state, or a
+  multi-layer drafter's layer states (``forward_layers``), before its projection."""
+  T = len(seq)
+  args = (jnp.asarray(seq)[None], jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)))
+  layers = tuple(drafter.config.feature_layers)
+  return (llm.forward_layers(*args, layers=layers)[1] if layers else
+          llm.forward_hidden(*args)[0])[0]
+
+
 def _walk_hits(llm, drafter, prompt, answer, n, logp_out=None):
   """Reference: per position, ``drafter.step`` n times on the true tokens (one at a time), from
   what decoding hands the drafter: the last hidden state, or a multi-layer drafter's layer
@@ -20,10 +30,7 @@ def _walk_hits(llm, drafter, prompt, answer, n, logp_out=None):
   list that gets each position's step log-probabilities ``[n, V]``."""
   seq = prompt + answer
   T = len(seq)
-  args = (jnp.asarray(seq)[None], jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)))
-  layers = tuple(drafter.config.feature_layers)
-  feats = (llm.forward_layers(*args, layers=layers)[1] if layers else
-           llm.forward_hidden(*args)[0])[0]
+  feats = _walk_features(llm, drafter, seq)
   emb = llm.embed_tokens.embedding[...]
   rows = []
   for t in range(len(prompt) - 1, T - n - 1):
@@ -51,13 +58,18 @@ def _answer_with_hits(llm, drafter, prompt, answer):
   return seq[len(prompt):]
 
 
+def _context_at(llm, drafter, seq, t):
+  """The drafter's context vector at position t of ``seq`` (which reads tokens up to t)."""
+  padded = np.zeros((64,), np.int32)
+  padded[:t + 1] = seq[:t + 1]  # one compiled shape; padding comes last (causal)
+  feats = acceptance._features(*nnx.split(llm), jnp.asarray(padded)[None],
+                               tuple(drafter.config.feature_layers))[:, t]
+  return drafter.context(feats)
+
+
 def _walk_guess(llm, drafter, seq):
   """The drafter's step-1 guess for the token after ``seq`` (from h at len-2 and seq[-1])."""
-  padded = np.zeros((64,), np.int32)
-  padded[:len(seq)] = seq  # one compiled shape; padding comes last (causal)
-  feats = acceptance._features(*nnx.split(llm), jnp.asarray(padded)[None],
-                               tuple(drafter.config.feature_layers))[:, len(seq) - 2]
-  h = drafter.context(feats)
+  h = _context_at(llm, drafter, seq, len(seq) - 2)
   logp, _ = drafter.step(h, drafter.init_state(h), llm.embed_tokens.embedding[...][seq[-1]][None])
   k = int(jnp.argmax(logp[0]))
   return drafter.vocab_ids[...][k] if drafter.vocab_ids is not None else k
@@ -117,10 +129,7 @@ def _walk_beams(llm, drafter, prompt, answer, n, width):
 
   seq = prompt + answer
   T = len(seq)
-  args = (jnp.asarray(seq)[None], jnp.arange(T)[None], jnp.tril(jnp.ones((1, T, T), bool)))
-  layers = tuple(drafter.config.feature_layers)
-  feats = (llm.forward_layers(*args, layers=layers)[1] if layers else
-           llm.forward_hidden(*args)[0])[0]
+  feats = _walk_features(llm, drafter, seq)
   emb = llm.embed_tokens.embedding[...]
   in_top, in_beams, run = [], [], []
   for t in range(len(prompt) - 1, T - n - 1):
@@ -154,11 +163,7 @@ def _answer_along_beams(llm, drafter, prompt, answer, n, width):
   seq = list(prompt) + list(answer)
   emb = llm.embed_tokens.embedding[...]
   for k, t in enumerate(range(len(prompt) - 1, len(seq) - n - 1, n + 1)):
-    padded = np.zeros((64,), np.int32)
-    padded[:t + 1] = seq[:t + 1]  # the states at t read tokens up to t (causal)
-    feats = acceptance._features(*nnx.split(llm), jnp.asarray(padded)[None],
-                                 tuple(drafter.config.feature_layers))[:, t]
-    beams = beam_search(drafter, emb, drafter.context(feats), jnp.asarray([seq[t + 1]]),
+    beams = beam_search(drafter, emb, _context_at(llm, drafter, seq, t), jnp.asarray([seq[t + 1]]),
                         beam_width=width, beam_length=n + 1).beams_BWL[0]
     seq[t + 2:t + 2 + n] = [int(x) for x in beams[k % width, 1:]]
   return seq[len(prompt):]

@@ -125,24 +125,49 @@ def _top1(graphdef, state, feats_xX, prev_xnD):
   return pred_xn if drafter.vocab_ids is None else drafter.vocab_ids[...][pred_xn]
 
 
-def teacher_forced_hits(llm, drafter, prompt, answer, n: int) -> np.ndarray:
-  """``hits[t, i]``: the drafter's top-1 at step i+1 from answer position t is the LLM's token
-  (positions with all n targets inside the answer; the first is the prompt's last token).
-  Shapes are padded to multiples of 128 (padding comes last, so causal attention ignores it)."""
+@dataclasses.dataclass(frozen=True)
+class Positions:
+  """The answer positions t a drafter is scored at (all n targets t+2 .. t+n+1 inside the
+  answer; the first is the prompt's last token), with what it reads there. ``seq`` is prompt +
+  answer and ``padded`` the positions, both padded to multiples of 128 (padding comes last, so
+  causal attention ignores it); ``feats_xX`` the drafter's features at ``padded``."""
+
+  starts: np.ndarray
+  padded: np.ndarray
+  seq: np.ndarray
+  feats_xX: jax.Array
+
+  def targets(self, n: int) -> np.ndarray:
+    """``[t, i]``: the LLM's token that draft step i+1 from position t should guess."""
+    return self.seq[self.starts[:, None] + 2 + np.arange(n)]
+
+
+def answer_positions(llm, drafter, prompt, answer, n: int) -> Positions | None:
+  """The scored positions and the features ``drafter`` reads there (one LLM forward), or None
+  when the answer is too short for n steps."""
   T, P = len(prompt) + len(answer), len(prompt)
-  starts = np.arange(P - 1, T - n - 1)  # t: targets t+2 .. t+n+1 all in the sequence
+  starts = np.arange(P - 1, T - n - 1)
   if starts.size == 0:
-    return np.zeros((0, n), bool)
+    return None
   seq = np.zeros((_round_up(T + n + 1),), np.int32)
   seq[:T] = prompt + answer
   feats_TX = _features(*nnx.split(llm), jnp.asarray(seq)[None],
                        tuple(drafter.config.feature_layers))[0]
-  x = _round_up(starts.size)
-  padded = np.concatenate([starts, np.full((x - starts.size,), starts[0])])
+  padded = np.concatenate([starts, np.full((_round_up(starts.size) - starts.size,), starts[0])])
+  return Positions(starts, padded, seq, feats_TX[padded])
+
+
+def teacher_forced_hits(llm, drafter, prompt, answer, n: int,
+                        positions: Positions | None = None) -> np.ndarray:
+  """``hits[t, i]``: the drafter's top-1 at step i+1 from answer position t is the LLM's token
+  (``answer_positions``'s positions; pass them to share their LLM forward)."""
+  pos = positions or answer_positions(llm, drafter, prompt, answer, n)
+  if pos is None:
+    return np.zeros((0, n), bool)
   emb_VD = llm.embed_tokens.embedding[...]
-  prev_xnD = emb_VD[seq[padded[:, None] + 1 + np.arange(n)]]
-  pred = np.asarray(_top1(*nnx.split(drafter), feats_TX[padded], prev_xnD))[:starts.size]
-  return pred == seq[starts[:, None] + 2 + np.arange(n)]
+  prev_xnD = emb_VD[pos.seq[pos.padded[:, None] + 1 + np.arange(n)]]
+  pred = np.asarray(_top1(*nnx.split(drafter), pos.feats_xX, prev_xnD))[:pos.starts.size]
+  return pred == pos.targets(n)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "width", "length"))
@@ -180,25 +205,20 @@ class BeamHits:
                       for f in ("in_top", "in_beams", "run")))
 
 
-def beam_hits(llm, drafter, prompt, answer, n: int, width: int) -> BeamHits:
+def beam_hits(llm, drafter, prompt, answer, n: int, width: int,
+              positions: Positions | None = None) -> BeamHits:
   """Beam search (W = ``width``, L = n + 1) at every position ``teacher_forced_hits`` scores,
   from the states decoding would hand the drafter there, against the LLM's answer."""
-  T, P = len(prompt) + len(answer), len(prompt)
-  starts = np.arange(P - 1, T - n - 1)
-  if starts.size == 0:
+  pos = positions or answer_positions(llm, drafter, prompt, answer, n)
+  if pos is None:
     return BeamHits(np.zeros((0,), bool), np.zeros((0,), bool), np.zeros((0,), np.int64))
-  seq = np.zeros((_round_up(T + n + 1),), np.int32)
-  seq[:T] = prompt + answer
-  feats_TX = _features(*nnx.split(llm), jnp.asarray(seq)[None],
-                       tuple(drafter.config.feature_layers))[0]
-  x = _round_up(starts.size)
-  padded = np.concatenate([starts, np.full((x - starts.size,), starts[0])])
-  beams_xWL, top_xW = _beams(*nnx.split(drafter), feats_TX[padded], jnp.asarray(seq[padded + 1]),
+  beams_xWL, top_xW = _beams(*nnx.split(drafter), pos.feats_xX,
+                             jnp.asarray(pos.seq[pos.padded + 1]),
                              llm.embed_tokens.embedding[...], width=width, length=n + 1)
-  beams_xWL = np.asarray(beams_xWL)[:starts.size]
-  target_xn = seq[starts[:, None] + 2 + np.arange(n)]
+  beams_xWL = np.asarray(beams_xWL)[:pos.starts.size]
+  target_xn = pos.targets(n)
   match_xWn = np.cumprod(beams_xWL[:, :, 1:] == target_xn[:, None, :], axis=2)
-  return BeamHits(in_top=(np.asarray(top_xW)[:starts.size] == target_xn[:, :1]).any(axis=1),
+  return BeamHits(in_top=(np.asarray(top_xW)[:pos.starts.size] == target_xn[:, :1]).any(axis=1),
                   in_beams=(beams_xWL[:, :, 1] == target_xn[:, None, 0]).any(axis=1),
                   run=1 + match_xWn.sum(axis=2).max(axis=1))
 
@@ -259,8 +279,9 @@ def main(argv=None) -> int:
                        lambda: generate(llm, [ids], max_new_tokens=args.max_new_tokens,
                                         stop_ids=stop_token_ids(tok)).tokens[0])
     for j, d in enumerate(drafters):
-      h = teacher_forced_hits(llm, d, ids, answer, n)
-      b = beam_hits(llm, d, ids, answer, n, args.beams) if args.beams else None
+      pos = answer_positions(llm, d, ids, answer, n)  # one LLM forward for both scores
+      h = teacher_forced_hits(llm, d, ids, answer, n, pos)
+      b = beam_hits(llm, d, ids, answer, n, args.beams, pos) if args.beams else None
       for key in (cat, "all"):
         hits[key][j] = np.concatenate([hits[key][j], h])
         if b is not None:
