@@ -60,12 +60,10 @@ class Beams:
         rest, _, budget = item.partition("/")
         wl, *extras = rest.split("+")
         w, l = (int(x) for x in wl.split("x"))
-        n = [int(e) for e in extras if not e.startswith("a")]
-        k = [int(e[1:]) for e in extras if e.startswith("a")]
-        if len(n) > 1 or len(k) > 1 or extras[-1:] == [""] or (k and n and
-                                                               extras[0].startswith("a")):
+        k = int(extras.pop()[1:]) if extras and extras[-1].startswith("a") else 0
+        if len(extras) > 1:  # at most the lookup n before +aK
           raise ValueError(item)
-        b = cls(w, l, n[0] if n else 0, int(budget) if budget else 0, k[0] if k else 0)
+        b = cls(w, l, int(extras[0]) if extras else 0, int(budget) if budget else 0, k)
         b.config()  # the budget must fit the tree
       except (ValueError, ConfigError):
         b = None
