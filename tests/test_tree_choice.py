@@ -81,6 +81,11 @@ def test_choose_maximises_tokens_per_second():
   cfg = c.config(tree_choice.Beams(4, 5, 3, 16).config(draft_vocab_size=64, max_new_tokens=9))
   assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget,
           cfg.draft_vocab_size, cfg.max_new_tokens) == (2, 3, 0, None, 64, 9)
+  assert cfg.first_alternatives == 0  # the base's alternatives do not leak into the choice
+  alts = tree_choice.choose({Beams(1, 4, 3, 7, 4): 2.1}, {"1x4+3+a4/7": 0.05, "ar": 0.025})
+  cfg = alts.config(tree_choice.Beams(4, 5).config())
+  assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget,
+          cfg.first_alternatives) == (1, 4, 3, 7, 4)
   with pytest.raises(TreeChoiceError, match="step time"):
     tree_choice.choose(tps, {"ar": 0.02})
 

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
   p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
   p.add_argument("--candidates", default=None,
                  help="trees to measure, WxL[+n][+aK][/N] comma-separated (default: "
-                 "tree_choice.DEFAULT_CANDIDATES, twelve trees from 1x2+3/3 to 4x5+3/16)")
+                 "tree_choice.DEFAULT_CANDIDATES, fifteen trees from 1x2+3/3 to 4x4+3+a4/14)")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16", "auto"), default=None,
                  help="the LLM's weights (default: the drafter's own setting)")
   p.add_argument("--time-only", action="store_true",

@@ -105,9 +105,10 @@ class Beams:
 
 ACCEPTANCE_FILE = "acceptance.json"
 # The trees measured for a drafter when none are named: one drafter beam to four, with and
-# without the context-lookup beam, whole trees and token budgets that verify fewer tokens.
-DEFAULT_CANDIDATES = ("1x2+3/3,1x3+3/4,1x3+3,1x4,"
-                      "1x4+3/5,1x4+3,1x5+3/6,2x4+3/7,2x4+3,2x5+3/9,4x4+3/10,4x5+3/16")
+# without the context-lookup beam and the drafter's step-1 alternatives, whole trees and token
+# budgets that verify fewer tokens.
+DEFAULT_CANDIDATES = ("1x2+3/3,1x3+3/4,1x3+3,1x4,1x4+3/5,1x4+3,1x5+3/6,2x4+3/7,2x4+3,2x5+3/9,"
+                      "4x4+3/10,4x5+3/16,1x3+3+a3/6,1x4+3+a4/7,4x4+3+a4/14")
 TIMING_CONTEXT = 200  # prompt tokens in the cache when steps are timed
 
 
@@ -289,7 +290,8 @@ class Choice:
     """``base`` with this tree (its other settings kept)."""
     return dataclasses.replace(base, beam_width=self.beams.width, beam_length=self.beams.length,
                                lookup_ngram=self.beams.lookup,
-                               token_budget=self.beams.budget or None)
+                               token_budget=self.beams.budget or None,
+                               first_alternatives=self.beams.alternatives)
 
   def table(self) -> str:
     lines = [f"{'tree':<12} {'tokens/step':>11} {'step ms':>8} {'x AR step':>9} "
