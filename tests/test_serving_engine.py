@@ -206,6 +206,36 @@ def test_smaller_trees_serve_identical_greedy_output(llm, tok, reference):
   assert "spec:1x2 tokens/step observed" in engine.served_summary()
 
 
+def test_trees_with_step1_alternatives_serve_identical_greedy_output(llm, tok, random_drafter,
+                                                                    reference):
+  """A served tree and a smaller tree with step-1 alternatives (``+aK``: beams that end after
+  their first token, packed beside the drafter's beams), a cost table that sends each rows
+  bucket to another mode: every greedy request gets ``decode()``'s tokens, and each tree's
+  steps ran."""
+  cfg = dataclasses.replace(ECFG, trees=("1x2+a2", "1x3"),
+                            decode=dataclasses.replace(DCFG, first_alternatives=3))
+  engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
+  place = engine._place
+  assert place.modes() == ("ar", "spec:1x2+a2", "spec:1x3", "spec")
+  best = {1: "spec", 2: "spec:1x2+a2", 4: "spec:1x3"}
+  fake = {(b, m, k, c): (0.001 * b if m == best[b] else 1.0) if b < 4 or m != "ar" else 0.5
+          for b in place.row_buckets() for m in place.modes() for k in policy.KINDS
+          for c in place.context_buckets()}
+  engine.costs = policy.StepCosts(fake, min_seen=None)
+  engine.start()
+  try:
+    reqs = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    results, _ = run_concurrently(engine, reqs)
+    alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
+  finally:
+    engine.stop()
+  for i, (r, m) in enumerate(zip(results, MAX_TOKENS)):
+    assert r.token_ids == expected(reference[i], m), i
+  assert alone.token_ids == expected(reference[2], 12)
+  served = {m for (_, m) in engine.step_counts}
+  assert {"spec:1x2+a2", "spec"} <= served, engine.step_counts
+
+
 @pytest.mark.parametrize("trees, match", [
     (("1x5",), "must fit within"), (("4x4",), "must fit within"),  # L > 4; 13 > 10 tokens
     (("1x2", "1X2"), "given twice"), (("3x4",), "given twice"), (("2x",), "tree '2x'"),
