@@ -167,21 +167,11 @@ def test_steps_follow_the_load_with_identical_greedy_output(self_engine, referen
   assert f"4 rows ar: {engine.step_counts[4, 'ar']}" in summary, summary
 
 
-def test_smaller_trees_serve_identical_greedy_output(llm, tok, reference):
-  """With smaller trees among the modes (``EngineConfig.trees``), a cost table that makes
-  each rows bucket pay for a different one: steps run on each tree (and AR), each tree's
-  acceptance is observed on its own, and every greedy request still gets ``decode()``'s
-  tokens (a smaller tree's step pads its tokens to the batch's width and writes back only its
-  own tree's cache slots)."""
-  cfg = dataclasses.replace(ECFG, trees=("1x2", "2x3+2/5"), tree_priors=(1.5, None),
-                            decode=dataclasses.replace(DCFG, lookup_ngram=2))
-  engine = Engine(llm, tok, testing.SelfDrafter(V), config=cfg, stop_ids=[EOS])
+def serve_each_bucket_on(engine, best, reference):
+  """Give ``engine`` a cost table under which rows bucket b runs mode ``best[b]`` (bucket 4,
+  all slots, pays most for any rows: ``plan`` may pick it for fewer live rows too), serve all
+  prompts at once and one alone, and check every greedy result against ``decode()``'s."""
   place = engine._place
-  assert place.modes() == ("ar", "spec:1x2", "spec:2x3+2/5", "spec")
-  assert {m: a.prior for m, a in engine.acceptance.items()} == {
-      "spec": 4.0, "spec:1x2": 1.5, "spec:2x3+2/5": 3.0}
-  best = {1: "spec", 2: "spec:2x3+2/5", 4: "spec:1x2"}
-  # bucket 4 (all slots) pays most for any rows: ``plan`` may pick it for fewer live rows too
   fake = {(b, m, k, c): (0.001 * b if m == best[b] else 1.0) if b < 4 or m != "ar" else 0.5
           for b in place.row_buckets() for m in place.modes() for k in policy.KINDS
           for c in place.context_buckets()}
@@ -196,6 +186,21 @@ def test_smaller_trees_serve_identical_greedy_output(llm, tok, reference):
   for i, (r, m) in enumerate(zip(results, MAX_TOKENS)):
     assert r.token_ids == expected(reference[i], m), i
   assert alone.token_ids == expected(reference[2], 12)
+
+
+def test_smaller_trees_serve_identical_greedy_output(llm, tok, reference):
+  """With smaller trees among the modes (``EngineConfig.trees``), a cost table that makes
+  each rows bucket pay for a different one: steps run on each tree (and AR), each tree's
+  acceptance is observed on its own, and every greedy request still gets ``decode()``'s
+  tokens (a smaller tree's step pads its tokens to the batch's width and writes back only its
+  own tree's cache slots)."""
+  cfg = dataclasses.replace(ECFG, trees=("1x2", "2x3+2/5"), tree_priors=(1.5, None),
+                            decode=dataclasses.replace(DCFG, lookup_ngram=2))
+  engine = Engine(llm, tok, testing.SelfDrafter(V), config=cfg, stop_ids=[EOS])
+  assert engine._place.modes() == ("ar", "spec:1x2", "spec:2x3+2/5", "spec")
+  assert {m: a.prior for m, a in engine.acceptance.items()} == {
+      "spec": 4.0, "spec:1x2": 1.5, "spec:2x3+2/5": 3.0}
+  serve_each_bucket_on(engine, {1: "spec", 2: "spec:2x3+2/5", 4: "spec:1x2"}, reference)
   served = {m for (_, m) in engine.step_counts}
   assert {"spec:1x2", "spec:2x3+2/5", "spec"} <= served, engine.step_counts
   assert all(a.row_steps > 0 for a in engine.acceptance.values()), engine.acceptance
@@ -215,23 +220,8 @@ def test_trees_with_step1_alternatives_serve_identical_greedy_output(llm, tok, r
   cfg = dataclasses.replace(ECFG, trees=("1x2+a2", "1x3"),
                             decode=dataclasses.replace(DCFG, first_alternatives=3))
   engine = Engine(llm, tok, random_drafter, config=cfg, stop_ids=[EOS])
-  place = engine._place
-  assert place.modes() == ("ar", "spec:1x2+a2", "spec:1x3", "spec")
-  best = {1: "spec", 2: "spec:1x2+a2", 4: "spec:1x3"}
-  fake = {(b, m, k, c): (0.001 * b if m == best[b] else 1.0) if b < 4 or m != "ar" else 0.5
-          for b in place.row_buckets() for m in place.modes() for k in policy.KINDS
-          for c in place.context_buckets()}
-  engine.costs = policy.StepCosts(fake, min_seen=None)
-  engine.start()
-  try:
-    reqs = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]
-    results, _ = run_concurrently(engine, reqs)
-    alone = engine.generate(GenerationRequest(PROMPTS[2], max_tokens=12))
-  finally:
-    engine.stop()
-  for i, (r, m) in enumerate(zip(results, MAX_TOKENS)):
-    assert r.token_ids == expected(reference[i], m), i
-  assert alone.token_ids == expected(reference[2], 12)
+  assert engine._place.modes() == ("ar", "spec:1x2+a2", "spec:1x3", "spec")
+  serve_each_bucket_on(engine, {1: "spec", 2: "spec:1x2+a2", 4: "spec:1x3"}, reference)
   served = {m for (_, m) in engine.step_counts}
   assert {"spec:1x2+a2", "spec"} <= served, engine.step_counts
 
