@@ -78,7 +78,8 @@ def test_choose_maximises_tokens_per_second():
   assert not slow.pays and slow.verdict() == (
       "no draft tree is predicted faster than AR here (best tree 2x3, predicted 0.70x AR at "
       "batch 1)")
-  cfg = c.config(tree_choice.Beams(4, 5, 3, 16).config(draft_vocab_size=64, max_new_tokens=9))
+  cfg = c.config(tree_choice.Beams(4, 5, 3, 16, 2).config(draft_vocab_size=64,
+                                                          max_new_tokens=9))
   assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.token_budget,
           cfg.draft_vocab_size, cfg.max_new_tokens) == (2, 3, 0, None, 64, 9)
   assert cfg.first_alternatives == 0  # the base's alternatives do not leak into the choice

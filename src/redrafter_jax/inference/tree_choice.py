@@ -97,10 +97,17 @@ class Beams:
             + (f" + {self.alternatives} step-1 alternatives" if self.alternatives else "")
             + (f", N={self.budget}" if self.budget else ""))
 
+  def fields(self) -> dict:
+    """The ``DecodeConfig`` fields this setting fixes (all of the tree's, none other)."""
+    return dict(beam_width=self.width, beam_length=self.length, lookup_ngram=self.lookup,
+                token_budget=self.budget or None, first_alternatives=self.alternatives)
+
   def config(self, **kwargs) -> DecodeConfig:
-    return DecodeConfig(beam_width=self.width, beam_length=self.length,
-                        lookup_ngram=self.lookup, token_budget=self.budget or None,
-                        first_alternatives=self.alternatives, **kwargs)
+    return DecodeConfig(**self.fields(), **kwargs)
+
+  def onto(self, base: DecodeConfig) -> DecodeConfig:
+    """``base`` with this tree (its other settings kept)."""
+    return dataclasses.replace(base, **self.fields())
 
 
 ACCEPTANCE_FILE = "acceptance.json"
@@ -288,10 +295,7 @@ class Choice:
 
   def config(self, base: DecodeConfig) -> DecodeConfig:
     """``base`` with this tree (its other settings kept)."""
-    return dataclasses.replace(base, beam_width=self.beams.width, beam_length=self.beams.length,
-                               lookup_ngram=self.beams.lookup,
-                               token_budget=self.beams.budget or None,
-                               first_alternatives=self.beams.alternatives)
+    return self.beams.onto(base)
 
   def table(self) -> str:
     lines = [f"{'tree':<12} {'tokens/step':>11} {'step ms':>8} {'x AR step':>9} "

@@ -35,8 +35,8 @@ PROMPTS = "data/spec_bench.jsonl.gz"
 # Chosen up front, so that the lease compiles only their programs: the shipped drafter's own tree
 # (decode.json) and a width-4 tree with the lookup beam and the drafter's 4 best first tokens
 # (step-1 alternatives: more tokens/step at every tree the CPU measured them with, and a GPU
-# verifies the few extra tokens almost free). Wide trees (8x5, 16x5) were the slowest on both GPUs so far (H100
-# 1.09x/1.03x, H200 0.97x AR) and are left out to save their compiles.
+# verifies the few extra tokens almost free). Wide trees (8x5, 16x5) were the slowest on both
+# GPUs so far (H100 1.09x/1.03x, H200 0.97x AR) and are left out to save their compiles.
 GPU_TREES = "1x4+3/5,4x4+3+a4"
 GPU_MAIN_TREE = "1x4+3/5"
 CACHE_SIZE = 1024  # one cache size for every prompt and method

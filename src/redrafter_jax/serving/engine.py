@@ -154,9 +154,7 @@ class EngineConfig:
         (beams,) = Beams.parse_list(str(text))
       except ValueError as e:
         raise ConfigError(f"serving: tree {text!r}: {e}") from None
-      cfg = dataclasses.replace(base, beam_width=beams.width, beam_length=beams.length,
-                                lookup_ngram=beams.lookup, token_budget=beams.budget or None,
-                                first_alternatives=beams.alternatives)
+      cfg = beams.onto(base)
       mode = tree_mode(beams.text)
       shape = lambda c: (c.beam_width, c.beam_length, c.lookup_ngram, c.num_tree_tokens,
                          c.first_alternatives)
