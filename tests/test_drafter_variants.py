@@ -364,6 +364,32 @@ def test_multi_layer_features_folder_gives_the_inline_loss(synthetic, tmp_path):
   assert abs(float(l3) - float(l1)) > 1e-4  # the layer states are what the drafter reads
 
 
+def test_features_folder_serves_the_last_layer_from_the_last_hidden_state(synthetic, tmp_path):
+  """The last layer's tap is the last hidden state, which every folder stores: a folder made
+  for layer 0 alone serves a drafter reading layers (0, 1) of a 2-layer LLM, with the batches a
+  folder made for (0, 1) gives; without the LLM's layer count it refuses, naming the layers."""
+  from redrafter_jax.training import data, features
+  from redrafter_jax.weights.base_model import load_base_model
+
+  llm, _ = load_base_model("random:tiny")
+  assert llm.config.num_layers == 2
+  both, first = tmp_path / "both", tmp_path / "first"
+  for out, layers in ((both, (0, 1)), (first, (0,))):
+    features.write_features(llm, synthetic, out, model_name="random:tiny", seq_len=64,
+                            batch_tokens=256, feature_layers=layers)
+  kw = dict(seq_len=64, global_batch=4, seed=0, hidden_size=64, feature_layers=(0, 1))
+  want = next(data.make_iterator(synthetic, **kw, features=both))
+  got = next(data.make_iterator(synthetic, **kw, features=first, num_layers=2))
+  assert got["hidden"].shape == want["hidden"].shape == (4, 64, 3 * 64)
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name])
+  with pytest.raises(data.DataError, match=r"feature_layers.*\[0, 1\]"):
+    data.make_iterator(synthetic, **kw, features=first)
+  with pytest.raises(data.DataError, match="or the last, 2"):  # layer 1 of 3 is not the last
+    data.make_iterator(synthetic, **kw, features=first, num_layers=3)
+  assert features.feature_columns([0], [1, 0], 2, num_layers=2).tolist() == [0, 1, 0, 1, 2, 3]
+
+
 def test_ablation_chain_tokens_is_one_plus_the_running_products():
   from redrafter_jax.training.ablation import chain_tokens
 

@@ -273,15 +273,16 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
                  pack: bool = True, rows: tuple[int, int] | None = None,
                  vocab_size: int | None = None, packing_bins: int | None = None,
                  holdout: int = 0, part: str = "train", first: int = 0, features=None,
-                 hidden_size: int | None = None,
-                 feature_layers: tuple[int, ...] = ()) -> grain.IterDataset:
+                 hidden_size: int | None = None, feature_layers: tuple[int, ...] = (),
+                 num_layers: int | None = None) -> grain.IterDataset:
   """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
 
   ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
   ``folder`` is one data folder or several; ``holdout`` / ``part`` / ``first`` pick the
   shards (``shard_paths``). ``features``: a features folder per data folder (``features.py``; made
-  for this ``seq_len``, ``hidden_size`` and ``feature_layers``): batches then hold ``hidden`` too. The batches are
-  otherwise the same, in the same order.
+  for this ``seq_len``, ``hidden_size`` and ``feature_layers``; ``num_layers``, the LLM's, lets
+  a drafter read the last layer from any folder): batches then hold ``hidden`` too. The batches
+  are otherwise the same, in the same order.
   """
   start, stop = rows if rows is not None else (0, global_batch)
   if not 0 <= start < stop <= global_batch:
@@ -299,7 +300,7 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
     for d, f in zip(folders(folder), feats):
       got, cols = feature_paths(f, shard_paths(d, holdout=holdout, part=part, first=first),
                                 seq_len=seq_len, hidden_size=hidden_size,
-                                feature_layers=feature_layers)
+                                feature_layers=feature_layers, num_layers=num_layers)
       hidden_paths += got
       hidden_columns += [cols] * len(got)
   source = ShardSource(paths, hidden_paths, seq_len, hidden_columns)

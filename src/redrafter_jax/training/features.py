@@ -25,8 +25,9 @@ With ``feature_layers`` (a multi-layer drafter's ``DrafterConfig.feature_layers`
 manifest's settings) each row is ``[D + k*D]``: the last hidden state (the soft targets' source),
 then the normed states of those layers (``Llama.forward_layers``: what the drafter reads). Such a
 folder also serves drafters that read fewer of its layers, down to none (the last hidden state
-alone): training reads only their columns (``feature_columns``), so one folder serves a whole
-ablation over layer choices and its baseline.
+alone), and the model's last layer, whose tap is the last hidden state itself: training reads only
+their columns (``feature_columns``), so one folder serves a whole ablation over layer choices and
+its baseline.
 
 The command resumes: shards the manifest lists are skipped.
 """
@@ -156,14 +157,18 @@ def _write_json(path: pathlib.Path, obj) -> None:
 
 
 def feature_columns(stored_layers: Sequence[int], wanted_layers: Sequence[int],
-                    hidden_size: int):
+                    hidden_size: int, num_layers: int | None = None):
   """The columns of a features row (``[D + k*D]`` for ``stored_layers``) that a drafter reading
   ``wanted_layers`` needs: None for all of them, a slice when they are contiguous (rows stay
-  memory-mapped views), else an index array. ``wanted_layers`` must be among the stored."""
+  memory-mapped views), else an index array. ``wanted_layers`` must be among the stored, or be
+  the model's last layer (``num_layers - 1``, when given), read from the row's first block: its
+  tap through the final norm is the last hidden state (``Llama.forward_layers``)."""
   stored, D = list(stored_layers), hidden_size
   if list(wanted_layers) == stored:
     return None
-  blocks = [0] + [1 + stored.index(i) for i in wanted_layers]
+  last = None if num_layers is None else num_layers - 1
+  blocks = [0] + [1 + stored.index(i) if i in stored or i != last else 0
+                  for i in wanted_layers]
   cols = np.concatenate([np.arange(b * D, (b + 1) * D) for b in blocks])
   if np.array_equal(cols, np.arange(cols[0], cols[0] + cols.size)):
     return slice(int(cols[0]), int(cols[0]) + cols.size)
@@ -172,11 +177,12 @@ def feature_columns(stored_layers: Sequence[int], wanted_layers: Sequence[int],
 
 def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], *, seq_len: int,
                   hidden_size: int | None = None, model_name: str | None = None,
-                  feature_layers: tuple[int, ...] = ()):
+                  feature_layers: tuple[int, ...] = (), num_layers: int | None = None):
   """``(paths, columns)``: the feature file of each data shard in ``shards``, checked against
   the manifest: made for this ``seq_len`` (and hidden size and model, when given), holding these
-  ``feature_layers`` (and maybe more), and for exactly these shards' bytes; and the columns of
-  those files the layers need (``feature_columns``)."""
+  ``feature_layers`` (and maybe more; the last of ``num_layers``, when given, is always held),
+  and for exactly these shards' bytes; and the columns of those files the layers need
+  (``feature_columns``)."""
   folder = pathlib.Path(features)
   path = folder / data_lib.MANIFEST
   if not path.is_file():
@@ -188,10 +194,12 @@ def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], 
               **({"model": model_name} if model_name else {}))
   got = {k: s.get(k) for k in want}
   stored = list(s.get("feature_layers", []))
-  if got != want or not set(feature_layers) <= set(stored):
+  held = set(stored) | (set() if num_layers is None else {num_layers - 1})
+  if got != want or not set(feature_layers) <= held:
     raise data_lib.DataError(
         f"{folder}: features made with {dict(got, feature_layers=stored)}, but training needs "
-        f"{dict(want, feature_layers=list(feature_layers))} (layers: any of the stored ones)")
+        f"{dict(want, feature_layers=list(feature_layers))} (layers: any of the stored ones"
+        f"{'' if num_layers is None else f' or the last, {num_layers - 1}'})")
   out = []
   for shard in shards:
     entry = manifest["shards"].get(shard.name)
@@ -202,4 +210,4 @@ def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], 
       raise data_lib.DataError(f"{folder}: features of {shard.name} were made from other data "
                                "(its SHA-256 differs)")
     out.append(folder / entry["file"])
-  return out, feature_columns(stored, feature_layers, s["hidden_size"])
+  return out, feature_columns(stored, feature_layers, s["hidden_size"], num_layers)

@@ -466,7 +466,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   data_kwargs = dict(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed,
                      pack=cfg.pack, rows=rows, vocab_size=llm_cfg.vocab_size,
                      features=cfg.features, hidden_size=llm_cfg.hidden_size,
-                     feature_layers=feature_layers, **training_shards(cfg))
+                     feature_layers=feature_layers, num_layers=llm_cfg.num_layers,
+                     **training_shards(cfg))
   iterator = data_lib.make_iterator(cfg.data, **data_kwargs)
 
   ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
