@@ -164,10 +164,10 @@ def test_restricted_draft_vocab_drafts_only_top_ranked_tokens():
 
 
 
-@pytest.mark.parametrize("W,K,restricted", [(1, 3, False), (4, 6, False), (2, 5, True)])
-def test_first_k_are_the_drafters_best_first_tokens(W, K, restricted):
+@pytest.mark.parametrize("W,K,restricted,L", [(1, 3, False, 4), (4, 6, False, 4), (2, 5, True, 2)])
+def test_first_k_are_the_drafters_best_first_tokens(W, K, restricted, L):
   """``first_k``: the K best tokens of the first draft step (from g0), best first, as token ids;
-  the kept beams' first tokens are among them when K >= W."""
+  the kept beams' first tokens are among them when K >= W (L = 2: one draft step, no scan)."""
   from redrafter_jax.models.drafter import restrict_vocab
 
   d = _drafter(12, True, seed=5)
@@ -182,7 +182,7 @@ def test_first_k_are_the_drafters_best_first_tokens(W, K, restricted):
   embed, h = rng.normal(size=(V, D)), rng.normal(size=(B, D))
   g0 = rng.integers(0, V, size=B)
   out = beam_search(d, jnp.asarray(embed, jnp.float32), jnp.asarray(h, jnp.float32),
-                    jnp.asarray(g0, jnp.int32), beam_width=W, beam_length=4, first_k=K)
+                    jnp.asarray(g0, jnp.int32), beam_width=W, beam_length=L, first_k=K)
   assert out.first_BK.shape == out.first_logp_BK.shape == (B, K)
   for b in range(B):
     lp, _ = _np_step(p, d.config, h[b][None], np.zeros((1, D)), embed[g0[b]][None])
@@ -193,6 +193,6 @@ def test_first_k_are_the_drafters_best_first_tokens(W, K, restricted):
     np.testing.assert_allclose(out.first_logp_BK[b], lp[best], rtol=1e-4, atol=1e-4)
     assert set(np.asarray(out.beams_BWL[b, :, 1]).tolist()) <= set(ids[best].tolist())
   plain = beam_search(d, jnp.asarray(embed, jnp.float32), jnp.asarray(h, jnp.float32),
-                      jnp.asarray(g0, jnp.int32), beam_width=W, beam_length=4)
+                      jnp.asarray(g0, jnp.int32), beam_width=W, beam_length=L)
   assert plain.first_BK is None
   np.testing.assert_array_equal(plain.beams_BWL, out.beams_BWL)  # the beams do not change

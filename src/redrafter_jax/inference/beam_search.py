@@ -53,7 +53,7 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
   state_BWD = drafter.init_state(h_BWD)
   gather = jax.vmap(lambda x, idx: x[idx])  # per row: x[b][parent_W]
 
-  def step(carry, t):
+  def step(carry, t, first_k=0):
     beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD = carry
     prev_BW = jax.lax.dynamic_index_in_dim(beams_BWL, t, axis=2, keepdims=False)
     logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW])
@@ -82,8 +82,11 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
     return (beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD), first
 
   carry = (beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD)
-  (beams_BWL, score_BW, logp_BWJ, full_BWJV, _), first = jax.lax.scan(
-      step, carry, jnp.arange(L - 1))
+  first, steps = None, jnp.arange(L - 1)
+  if first_k:  # the first step outside the scan: only it takes the step-1 top-k
+    carry, first = step(carry, steps[0], first_k)
+    steps = steps[1:]
+  (beams_BWL, score_BW, logp_BWJ, full_BWJV, _), _ = jax.lax.scan(step, carry, steps)
   if first is None:
     return BeamOutput(beams_BWL, logp_BWJ, score_BW, full_BWJV)
-  return BeamOutput(beams_BWL, logp_BWJ, score_BW, full_BWJV, first[0][0], first[1][0])
+  return BeamOutput(beams_BWL, logp_BWJ, score_BW, full_BWJV, *first)
