@@ -167,7 +167,7 @@ def feature_columns(stored_layers: Sequence[int], wanted_layers: Sequence[int],
   if list(wanted_layers) == stored:
     return None
   last = None if num_layers is None else num_layers - 1
-  blocks = [0] + [1 + stored.index(i) if i in stored or i != last else 0
+  blocks = [0] + [0 if i == last and i not in stored else 1 + stored.index(i)
                   for i in wanted_layers]
   cols = np.concatenate([np.arange(b * D, (b + 1) * D) for b in blocks])
   if np.array_equal(cols, np.arange(cols[0], cols[0] + cols.size)):
