@@ -397,3 +397,46 @@ def test_every_command_help_shows_its_defaults(capsys):
   assert "tokens to generate at most (default: 128)" in help_text
   assert "(default: auto)" in help_text and "auto}" in help_text  # --tree, --param-dtype auto
 
+
+def _options_without_their_default(parser) -> list[str]:
+  import argparse
+
+  formatter = parser._get_formatter()
+  return [a.option_strings[0] for a in parser._actions
+          if a.option_strings and not isinstance(a, argparse._HelpAction)
+          and a.default not in (None, False, argparse.SUPPRESS)
+          and not (isinstance(a.default, (list, tuple, str)) and not a.default)
+          and "default" not in (formatter._expand_help(a) if a.help else "")]
+
+
+def test_every_benchmark_help_shows_its_defaults(monkeypatch):
+  """``redrafter-jax bench NAME --help`` (and ``loadtest``) show each option's default too: the
+  parser each benchmark builds is caught where it parses, and every defaulted option checked."""
+  import argparse
+  import importlib
+  import inspect
+
+  from redrafter_jax.bench.__main__ import available
+
+  class Parsed(Exception):
+    pass
+
+  def catch(self, *args, **kwargs):
+    raise Parsed(self)
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+  missing, checked = {}, 0
+  for name in available():
+    module = importlib.import_module(f"redrafter_jax.bench.{name}")
+    try:
+      module.main([])
+    except Parsed as caught:
+      parser = caught.args[0]
+    else:  # a benchmark without options (``plots FOLDER``) builds no parser
+      assert "ArgumentParser" not in inspect.getsource(module), name
+      continue
+    checked += 1
+    if gaps := _options_without_their_default(parser):
+      missing[name] = gaps
+  assert checked >= 15 and missing == {}
+

@@ -4,7 +4,7 @@ Every ``import`` in every module counts, function-level ones included (a lazy im
 dependency). Layers, bottom first; groups on one layer are peers and must not import each other:
 
   0  errors, shapes, config, sharding,  what every layer shares
-     hostmem, jsonl
+     hostmem, jsonl, helptext
   1  models                             the networks and the KV cache
   2  weights                            loading and exporting them
   3  inference                          decoding: AR and ReDrafter
@@ -28,6 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS = {
     "errors": 0, "shapes": 0, "config": 0, "sharding": 0, "hostmem": 0, "jsonl": 0,
+    "helptext": 0,
     "models": 1,
     "weights": 2,
     "inference": 3,
@@ -36,7 +37,8 @@ LAYERS = {
     "commands": 6,
     "cli": 7,
 }
-CORE = {"errors", "shapes", "config", "sharding", "hostmem", "jsonl"}  # one group: they may import each other
+# one group: they may import each other
+CORE = {"errors", "shapes", "config", "sharding", "hostmem", "jsonl", "helptext"}
 
 
 def module_name(path: pathlib.Path) -> str:

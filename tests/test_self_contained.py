@@ -159,3 +159,11 @@ def _documented_elsewhere(path: str) -> bool:
   reads what stage 1's preset documents)."""
   return any(path in re.findall(r"--out\s+(\S+)", _header_commands(p.read_text()))
              for p in PRESETS)
+
+
+def test_results_hold_measurements_not_scripts():
+  """``results/`` holds what runs measured; how to measure is a command of the package (a
+  ``bench`` option), written on the run's page. A script left there is code no test runs."""
+  scripts = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "results").rglob("*")
+                   if p.suffix in (".sh", ".py", ".bash"))
+  assert scripts == []

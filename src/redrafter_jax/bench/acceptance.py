@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redrafter_jax.helptext import show_defaults
 from redrafter_jax.models.drafter import restrict_vocab
 from redrafter_jax.training.losses import frozen_features
 from redrafter_jax.weights.tokenizer import encode, stop_token_ids
@@ -235,19 +236,22 @@ def main(argv=None) -> int:
 
   ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench acceptance",
                                description=__doc__.splitlines()[0])
+  show_defaults(ap)
   ap.add_argument("--prompts", required=True, help="Spec-Bench jsonl ({category, prompt})")
-  ap.add_argument("--model", default="smollm2-135m")
+  ap.add_argument("--model", default="smollm2-135m",
+                  help="known name, .gguf file or HF folder")
   ap.add_argument("--drafter", action="append", default=None,
                   help="drafter folder or 'shipped' (repeat to compare; default: shipped)")
   ap.add_argument("--draft-vocab", type=int, default=None,
                   help="draft vocabulary size (0 = all; default: each drafter's decode.json)")
-  ap.add_argument("--per-category", type=int, default=4)
+  ap.add_argument("--per-category", type=int, default=4, help="prompts per category")
   ap.add_argument("--skip-per-category", type=int, default=0,
                   help="leave out the first N prompts of each category")
   ap.add_argument("--answers", type=pathlib.Path, default=None,
                   help="JSONL file keeping the LLM's answers between runs (read, then appended)")
-  ap.add_argument("--max-prompt-tokens", type=int, default=1024)
-  ap.add_argument("--max-new-tokens", type=int, default=128)
+  ap.add_argument("--max-prompt-tokens", type=int, default=1024,
+                  help="leave out longer prompts (chat-templated tokens)")
+  ap.add_argument("--max-new-tokens", type=int, default=128, help="answer tokens at most")
   ap.add_argument("--steps", type=int, default=4, help="draft steps n (L = n + 1 at most)")
   ap.add_argument("--beams", type=int, default=0,
                   help="also run beam search of this width W (L = steps + 1) at every position "

@@ -22,6 +22,8 @@ import platform
 import sys
 import time
 
+from redrafter_jax.helptext import show_defaults
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEFAULT_PROMPTS = REPO_ROOT / "data" / "spec_bench.jsonl.gz"
 
@@ -29,6 +31,7 @@ DEFAULT_PROMPTS = REPO_ROOT / "data" / "spec_bench.jsonl.gz"
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench ar",
                               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--prompts", type=pathlib.Path, default=DEFAULT_PROMPTS,
                  help="Spec-Bench style jsonl ({'prompt': ...} per line)")
   p.add_argument("--num-prompts", type=int, default=8, help="prompts, spread over the file")

@@ -21,11 +21,13 @@ import sys
 import time
 
 from redrafter_jax.bench.ar import load_average
+from redrafter_jax.helptext import show_defaults
 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench context",
                               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                  help="the LLM's weights (activations and cache stay float32)")
@@ -33,10 +35,10 @@ def parse_args(argv):
   p.add_argument("--cache-size", type=int, default=2048, help="cache slots per row (capacity)")
   p.add_argument("--contexts", default="240,500,1000,2000",
                  help="comma-separated committed lengths")
-  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--batch", type=int, default=1, help="rows per step")
   p.add_argument("--tree-tokens", type=int, default=16, help="N of the verify forward")
   p.add_argument("--min-bucket", type=int, default=256, help="the smallest context bucket")
-  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--reps", type=int, default=7, help="timed calls per program (median)")
   p.add_argument("--out", type=pathlib.Path, help="also write the table (markdown) here")
   args = p.parse_args(argv)
   try:

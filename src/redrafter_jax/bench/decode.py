@@ -20,6 +20,7 @@ from flax import nnx
 from redrafter_jax.bench._common import draft_vocab_arg, load
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS
 from redrafter_jax.config import DecodeConfig
+from redrafter_jax.helptext import show_defaults
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.ar import generate
 from redrafter_jax.inference.decode import ReDrafter
@@ -86,14 +87,17 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m redrafter_jax.bench decode", description=__doc__)
+  show_defaults(ap)
   ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench jsonl")
-  ap.add_argument("--model", default="smollm2-135m")
+  ap.add_argument("--model", default="smollm2-135m",
+                  help="known name, .gguf file or HF folder")
   ap.add_argument("--drafter", default="random",
                   help="drafter folder, 'shipped' (checkpoints/) or 'random'")
   ap.add_argument("--exit-dim", type=int, default=256, help="exit_dim of a random drafter")
-  ap.add_argument("--num-prompts", type=int, default=8)
-  ap.add_argument("--max-prompt-tokens", type=int, default=512)
-  ap.add_argument("--max-new-tokens", type=int, default=96)
+  ap.add_argument("--num-prompts", type=int, default=8, help="prompts, spread over the file")
+  ap.add_argument("--max-prompt-tokens", type=int, default=512,
+                  help="leave out longer prompts (chat-templated tokens)")
+  ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt")
   ap.add_argument("--beams", default="4x4,8x5",
                   help="comma-separated WxL settings; WxL+n adds the context-lookup beam "
                        "(n-grams up to n), /N a tree token budget (e.g. 1x4+3/5)")

@@ -47,6 +47,7 @@ import sys
 from typing import Sequence
 
 from redrafter_jax.errors import UserError
+from redrafter_jax.helptext import show_defaults
 
 REFERENCE = "ar_greedy"  # the suite's key of our AR greedy at batch 1
 CONTROL_BATCH, CONTROL_CACHE = "ar_batch4", "ar_other_cache"
@@ -315,10 +316,11 @@ def parse_args(argv) -> argparse.Namespace:
                               description=__doc__.strip().splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n".join(__doc__.strip().splitlines()[2:]))
+  show_defaults(p)
   p.add_argument("--prompts", type=pathlib.Path, default=DEFAULT_PROMPTS,
                  help="Spec-Bench jsonl ({id, source, category, prompt} per line)")
   p.add_argument("--per-category", type=int, default=1, help="first N prompts of each category")
-  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
   p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
   p.add_argument("--drafter", default="shipped",
                  help="drafter folder, 'shipped' (checkpoints/) or 'random'")

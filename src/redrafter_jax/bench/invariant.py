@@ -37,6 +37,7 @@ import time
 
 import jax
 
+from redrafter_jax.helptext import show_defaults
 from redrafter_jax.hostmem import memory_mappings
 
 
@@ -47,6 +48,7 @@ def parse_args(argv) -> argparse.Namespace:
                               description=__doc__.strip().splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n".join(__doc__.strip().splitlines()[2:]))
+  show_defaults(p)
   p.add_argument("--prompts", type=pathlib.Path, default=DEFAULT_PROMPTS,
                  help="Spec-Bench jsonl ({'prompt': ...} per line)")
   p.add_argument("--num-prompts", type=int, default=40, help="prompts, spread over the file")

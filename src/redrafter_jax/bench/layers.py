@@ -26,12 +26,14 @@ import time
 
 from redrafter_jax.bench._compiles import compile_seconds
 from redrafter_jax.bench.ar import load_average
+from redrafter_jax.helptext import show_defaults
 
 def parse_args(argv):
   from redrafter_jax.inference.tree_choice import Beams
 
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench layers",
                               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--model", default="smollm2-135m",
                  help="known name, .gguf file, HF folder or random:<spec>")
   p.add_argument("--drafter", default="shipped",
@@ -42,7 +44,7 @@ def parse_args(argv):
                  help="draft vocabulary (default: the drafter's decode.json, else all)")
   p.add_argument("--batch", type=int, default=2, help="prompts in the decode/generate calls")
   p.add_argument("--context", type=int, default=200, help="prompt length (random tokens)")
-  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per decode")
   p.add_argument("--repeat", type=int, default=5, help="warm calls per program (median)")
   p.add_argument("--forms", default="unrolled,scanned", help="comma-separated, in run order")
   p.add_argument("--out", type=pathlib.Path, help="also write the table (markdown) here")

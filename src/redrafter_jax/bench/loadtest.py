@@ -38,6 +38,8 @@ from typing import Iterator
 import httpx
 import numpy as np
 
+from redrafter_jax.helptext import show_defaults
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DEFAULT_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -330,13 +332,14 @@ def _load_kwargs(args, warm: bool = True) -> dict:
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="redrafter-jax loadtest",
                               description=__doc__.splitlines()[0])
+  show_defaults(p)
   target = p.add_mutually_exclusive_group(required=True)
   target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
   target.add_argument("--compare", action="store_true",
                       help="start a ReDrafter and an --ar server and load each in turn")
-  p.add_argument("--requests", type=int, default=64)
-  p.add_argument("--concurrency", type=int, default=16)
-  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--requests", type=int, default=64, help="measured requests per load")
+  p.add_argument("--concurrency", type=int, default=16, help="clients sending at once")
+  p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--mix-every", type=int, default=0, metavar="K",
                  help="every K-th request samples with top-k/top-p (temperature 0.8, top_p 0.9, "
@@ -348,7 +351,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--prompt-limit", type=int, default=None)
   p.add_argument("--warmup", type=int, default=None,
                  help="unmeasured requests first (default: --concurrency)")
-  p.add_argument("--request-timeout", type=float, default=300.0)
+  p.add_argument("--request-timeout", type=float, default=300.0,
+                 help="seconds a request may take")
   p.add_argument("--deadline", type=float, default=1800.0, help="seconds for the whole run")
   p.add_argument("--json", action="store_true", help="print the reports as JSON too")
   srv = p.add_argument_group("--compare: how to start the servers")
@@ -357,11 +361,12 @@ def parser() -> argparse.ArgumentParser:
                         "preset without drafter_path needs --drafter or --random-drafter)")
   srv.add_argument("--drafter", default=None)
   srv.add_argument("--random-drafter", action="store_true")
-  srv.add_argument("--slots", type=int, default=8)
+  srv.add_argument("--slots", type=int, default=8, help="each server's decode slots")
   srv.add_argument("--rounds", type=int, default=1,
                    help="load both servers this many times each, alternating which goes first; "
                         "prints each round's ratio and pools the rest")
-  srv.add_argument("--startup-timeout", type=float, default=900.0)
+  srv.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds to wait for each server's /health")
   srv.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="further `serve` arguments (last on the line)")
   return p

@@ -33,6 +33,7 @@ import sys
 import time
 
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS
+from redrafter_jax.helptext import show_defaults
 
 # XLA's default command types (``DefaultDebugOptionsIgnoringFlags`` in xla/debug_options_flags.cc)
 # plus WHILE and CONDITIONAL. Written out in full: the flag's "+WHILE,+CONDITIONAL" form adds
@@ -53,6 +54,7 @@ def parse_args(argv):
 
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench loops",
                               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--model", default="smollm2-135m",
                  help="known name, .gguf file, HF folder or random:<spec>")
   p.add_argument("--drafter", default="shipped",
@@ -71,7 +73,7 @@ def parse_args(argv):
   p.add_argument("--num-prompts", type=int, default=4, help="prompts, spread over the file")
   p.add_argument("--prompt-tokens", type=int, default=64,
                  help="longest random prompt (random prompts only)")
-  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
   p.add_argument("--prompt-multiple", type=int, default=64,
                  help="prompts are padded to a multiple of this (one prefill program per "
                       "padded length: a large value compiles fewer)")

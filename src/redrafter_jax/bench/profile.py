@@ -27,6 +27,8 @@ import re
 import tempfile
 import time
 
+from redrafter_jax.helptext import show_defaults
+
 # Containers (their time is their body's ops) and host-side events are not ops of the step.
 _CONTAINERS = ("while", "conditional", "call")
 OUTSIDE_LOOP = "(all ops outside the decoding loop: prefill, setup)"
@@ -35,11 +37,13 @@ OUTSIDE_LOOP = "(all ops outside the decoding loop: prefill, setup)"
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench profile",
                               description=__doc__.strip().splitlines()[0])
-  p.add_argument("--mode", choices=("ar", "redrafter"), default="ar")
+  show_defaults(p)
+  p.add_argument("--mode", choices=("ar", "redrafter"), default="ar",
+                 help="the decoder profiled")
   p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
   p.add_argument("--drafter", default="shipped", help="drafter folder for --mode redrafter")
   p.add_argument("--prompt-tokens", type=int, default=200, help="length of a synthetic prompt")
-  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded")
   p.add_argument("--top", type=int, default=20, help="rows to print")
   p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
                  help="the LLM's weights (activations stay float32)")

@@ -35,12 +35,14 @@ import sys
 import tempfile
 import time
 
+from redrafter_jax.helptext import show_defaults
 from redrafter_jax.hostmem import status_kb
 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench server_start",
                               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--config", default="configs/smollm2_135m.yaml", help="the serving preset")
   p.add_argument("--warm-runs", type=int, default=1, help="runs after the cold one")
   p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for ready")

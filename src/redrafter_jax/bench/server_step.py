@@ -32,6 +32,7 @@ import sys
 import time
 
 from redrafter_jax.bench.ar import load_average
+from redrafter_jax.helptext import show_defaults
 
 PROMPT = "Write a story about a lighthouse keeper who finds a message in a bottle."
 
@@ -41,6 +42,7 @@ def parse_args(argv):
 
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench server_step",
                               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
   p.add_argument("--drafter", default="shipped",
                  help="drafter folder, 'shipped' (checkpoints/) or 'random'")
@@ -49,10 +51,12 @@ def parse_args(argv):
   p.add_argument("--draft-vocab", type=int, default=None,
                  help="draft vocabulary (default: the drafter's decode.json, else all)")
   p.add_argument("--prompt", default=PROMPT, help="the user message")
-  p.add_argument("--max-tokens", type=int, default=64)
-  p.add_argument("--slots", type=int, default=8)
-  p.add_argument("--max-context", type=int, default=2048)
-  p.add_argument("--min-context-bucket", type=int, default=512)
+  p.add_argument("--max-tokens", type=int, default=64, help="the request's new tokens")
+  p.add_argument("--slots", type=int, default=8, help="the server's slots (EngineConfig.slots)")
+  p.add_argument("--max-context", type=int, default=2048,
+                 help="tokens per slot (EngineConfig.max_context)")
+  p.add_argument("--min-context-bucket", type=int, default=512,
+                 help="the smallest context bucket (EngineConfig.min_context_bucket)")
   p.add_argument("--repeat", type=int, default=20, help="warm calls per step row (median)")
   p.add_argument("--requests", type=int, default=3, help="lone requests for the served row")
   p.add_argument("--out", type=pathlib.Path, help="also write the table (markdown) here")

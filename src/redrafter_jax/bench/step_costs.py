@@ -34,6 +34,8 @@ import pathlib
 import sys
 import time
 
+from redrafter_jax.helptext import show_defaults
+
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -67,6 +69,7 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv):
   p = _Parser(prog="python -m redrafter_jax.bench step_costs",
               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
                  help="the LLM's architecture (random weights)")
   p.add_argument("--layers", type=int, help="override the shape's layer count (a quick run)")

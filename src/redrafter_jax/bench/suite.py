@@ -52,6 +52,7 @@ from redrafter_jax.bench._runner import (Runner, adds_fp32_ar, adds_hf_bf16, env
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
 from redrafter_jax.bench.decode import Beams
 from redrafter_jax.bench._measurements import FP32_AR, HF_BF16
+from redrafter_jax.helptext import show_defaults
 
 # CPU defaults: a full run takes well under an hour on 2 idle cores (13 prompts x 16 methods;
 # --per-category 2 roughly doubles the measuring). The drafter-only trees are the training
@@ -105,6 +106,7 @@ def parse_args(argv) -> argparse.Namespace:
                               description=__doc__.strip().splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n".join(__doc__.strip().splitlines()[2:]))
+  show_defaults(p)
   p.add_argument("--prompts", type=pathlib.Path, default=DEFAULT_PROMPTS,
                  help="Spec-Bench jsonl ({id, source, category, prompt} per line)")
   p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")

@@ -33,12 +33,15 @@ import pathlib
 import tempfile
 import time
 
+from redrafter_jax.helptext import show_defaults
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m redrafter_jax.bench throughput",
                               description=__doc__.strip().splitlines()[0])
+  show_defaults(p)
   p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder")
   p.add_argument("--prompts", type=pathlib.Path, required=True,
                  help="prompts file for the generation rows (e.g. prompt-mix's output)")
