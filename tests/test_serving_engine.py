@@ -762,8 +762,10 @@ def test_background_warmup_serves_on_covering_programs_then_adopts_the_rest(
   assert place.compiled_programs() == 4
   everything = set(place.admission_programs() + place.step_programs())
   assert set(place.rest_programs()) == everything - set(cover)
-  rest = place.rest_programs()  # single prompts first, then the steps by context and rows
-  assert rest[:3] == [("admit", 32, 1), ("step", 1, "ar", 32), ("step", 1, "spec", 32)]
+  rest = place.rest_programs()  # single prompts first, then the steps by context: 1 row and
+  assert rest[:5] == [("admit", 32, 1), ("step", 1, "ar", 32), ("step", 1, "spec", 32),
+                      ("step", 4, "ar", 32), ("step", 4, "spec", 32)]  # all slots first
+  assert rest[5:7] == [("step", 2, "ar", 32), ("step", 2, "spec", 32)]
   assert engine._usable == {(4, 64)} and engine.costs.warm == {}  # timed between requests
   compiles = []
   compile_ = place.compile

@@ -259,12 +259,17 @@ class Placement:
     """The programs ``cover_programs`` leaves out, in the order they pay once compiled (what a
     memory limit cuts is the end of it: ``MemoryLimit``): single-prompt admissions by bucket
     (a short prompt no longer pads to a larger bucket; each holds less memory than a step),
-    then the steps by context and row bucket (all modes of one together, as the policy
-    compares them), then the admissions of several prompts (bursts)."""
+    then the steps by context, and within a context the row buckets of the two ends of load
+    first: one row (a lone request, where a draft tree pays most) and all slots (a full
+    server; without its own program a full batch steps at the largest context), then the
+    others by size (all modes of one row bucket together, as the policy compares them); then
+    the admissions of several prompts (bursts)."""
     cover = set(self.cover_programs())
     admit = [key for key in self.admission_programs() if key not in cover]
+    ends = (1, self.config.slots)
     steps = sorted((key for key in self.step_programs() if key not in cover),
-                   key=lambda key: (key[3], key[1], self.modes().index(key[2])))
+                   key=lambda key: (key[3], key[1] not in ends, key[1],
+                                    self.modes().index(key[2])))
     return [key for key in admit if key[2] == 1] + steps + [key for key in admit if key[2] > 1]
 
   @staticmethod
