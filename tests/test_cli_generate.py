@@ -371,6 +371,19 @@ def test_compare_ar_needs_a_drafter(folder, capsys):
   assert err.strip() == "error: --compare-ar needs --drafter (e.g. --drafter shipped)"
 
 
+def _options_without_their_default(parser) -> list[str]:
+  """The options of ``parser`` that have a default (not None, False or empty) whose ``--help``
+  text does not say it (argparse's %(default)s or a text naming it)."""
+  import argparse
+
+  formatter = parser._get_formatter()
+  return [a.option_strings[0] for a in parser._actions
+          if a.option_strings and not isinstance(a, argparse._HelpAction)
+          and a.default is not None and a.default is not False
+          and not (isinstance(a.default, (list, tuple, str)) and not a.default)
+          and "default" not in (formatter._expand_help(a) if a.help else "")]
+
+
 def test_every_command_help_shows_its_defaults(capsys):
   """Each option with a default says it in ``--help`` (argparse's %(default)s or a text)."""
   import argparse
@@ -383,30 +396,13 @@ def test_every_command_help_shows_its_defaults(capsys):
       continue  # a pass-through command (bench, loadtest) has no parser: the benchmark's reads
     p = argparse.ArgumentParser(prog=name)
     module.add_arguments(p)
-    for a in p._actions:
-      d = a.default
-      if (not a.option_strings or isinstance(a, argparse._HelpAction) or d is None or d is False
-          or (isinstance(d, (list, tuple, str)) and not d)):
-        continue
-      if "default" not in (p._get_formatter()._expand_help(a) if a.help else ""):
-        missing.append(f"{name} {a.option_strings[0]}")
+    missing += [f"{name} {option}" for option in _options_without_their_default(p)]
   assert missing == []
   with pytest.raises(SystemExit):
     main(["generate", "--help"])
   help_text = " ".join(capsys.readouterr().out.split())
   assert "tokens to generate at most (default: 128)" in help_text
   assert "(default: auto)" in help_text and "auto}" in help_text  # --tree, --param-dtype auto
-
-
-def _options_without_their_default(parser) -> list[str]:
-  import argparse
-
-  formatter = parser._get_formatter()
-  return [a.option_strings[0] for a in parser._actions
-          if a.option_strings and not isinstance(a, argparse._HelpAction)
-          and a.default not in (None, False, argparse.SUPPRESS)
-          and not (isinstance(a.default, (list, tuple, str)) and not a.default)
-          and "default" not in (formatter._expand_help(a) if a.help else "")]
 
 
 def test_every_benchmark_help_shows_its_defaults(monkeypatch):
@@ -439,4 +435,3 @@ def test_every_benchmark_help_shows_its_defaults(monkeypatch):
     if gaps := _options_without_their_default(parser):
       missing[name] = gaps
   assert checked >= 15 and missing == {}
-

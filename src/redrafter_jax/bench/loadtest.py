@@ -340,7 +340,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--requests", type=int, default=64, help="measured requests per load")
   p.add_argument("--concurrency", type=int, default=16, help="clients sending at once")
   p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
-  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--temperature", type=float, default=0.0, help="of each request (0: greedy)")
   p.add_argument("--mix-every", type=int, default=0, metavar="K",
                  help="every K-th request samples with top-k/top-p (temperature 0.8, top_p 0.9, "
                       "top_k 40) instead; 0 = none (default)")

@@ -95,7 +95,7 @@ def parse_args(argv):
                  help=f"the copied buffer, MiB (default {COPY_MIB['llama3-8b']}; "
                       f"{COPY_MIB['tiny']} for tiny)")
   p.add_argument("--reps", type=int, default=20, help="timed calls per program (median)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
   p.add_argument("--out", type=pathlib.Path,
                  help="also write the table (markdown) here, and its numbers as .json beside it")
   args = p.parse_args(argv)
