@@ -42,10 +42,12 @@ def synthetic(tmp_path_factory):
   return write_synthetic(tmp_path_factory.mktemp("data") / "syn")
 
 
-def preset(data_dir, out_dir, **train):
+def preset(data_dir, out_dir, drafter=None, **train):
+  """TINY on ``data_dir``, writing to ``out_dir``, with ``train.*`` and ``drafter.*`` fields."""
   overrides = {"train.data": str(data_dir), "train.output_dir": str(out_dir),
                "train.seq_len": 64, "train.log_every": 2}
   overrides.update({f"train.{k}": v for k, v in train.items()})
+  overrides.update({f"drafter.{k}": v for k, v in (drafter or {}).items()})
   return load_preset(TINY, overrides)
 
 
@@ -280,6 +282,31 @@ def test_a_continued_run_scores_its_starting_drafter_first(synthetic, tmp_path):
   rows += trainer.train(p, progress=False).eval_history
   assert [r["step"] for r in rows] == [0, 2, 4]
   assert [int(r["step"]) for r in csv.DictReader(open(tmp_path / "b" / "eval.csv"))] == [0, 2, 4]
+
+
+def test_a_drafter_grows_multi_layer_features_and_starts_as_it_was(synthetic, tmp_path):
+  """``drafter.feature_layers`` ending at the LLM's last layer, on a continued single-layer
+  drafter: the grown drafter's first held-out score is the drafter's own (its fresh
+  feature_proj passes the last layer through), training moves it, and it exports with the
+  layers. Other changes to the continued drafter are refused by name."""
+  from redrafter_jax.weights.drafter_io import load_drafter
+
+  kw = dict(num_steps=4, eval_shards=1, eval_every=2, eval_batches=2)
+  first = trainer.train(preset(synthetic, tmp_path / "a", **kw), progress=False)
+  kw["init_drafter"] = str(first.drafter_dir)
+  result = trainer.train(preset(synthetic, tmp_path / "b", {"feature_layers": [0, 1]}, **kw),
+                         progress=False)
+  rows = result.eval_history
+  want = {k: v for k, v in first.eval_history[-1].items() if k != "step"}
+  assert {k: v for k, v in rows[0].items() if k != "step"} == pytest.approx(want, rel=1e-5)
+  assert rows[-1] != pytest.approx(rows[0], rel=1e-5)
+  assert load_drafter(result.drafter_dir).config.feature_layers == (0, 1)
+  refused = [({"feature_layers": [1, 0]}, r"last listed layer is the LLM's last \(1\)"),
+             ({"exit_dim": 48}, r"exit_dim=32 \(the preset's drafter.exit_dim: 48\)")]
+  for drafter, needle in refused:
+    with pytest.raises(ConfigError, match=needle):
+      trainer.train(preset(synthetic, tmp_path / "c", drafter, **kw), progress=False,
+                    export=False)
 
 
 def test_init_drafter_shape_mismatch_is_a_clear_error(synthetic, tmp_path):
