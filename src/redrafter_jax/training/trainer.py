@@ -1,18 +1,17 @@
 """Distillation training of the drafter against the frozen LLM (DESIGN §7).
 
-``train(preset)`` runs the whole job: load the LLM and place it on the mesh (``sharding.py``),
-build the drafter (fresh, or from ``train.init_drafter``, which may grow ``feature_layers``
-ending at the LLM's last layer and starts as it was: ``_as_the_preset_asks``), read batches with the grain pipeline
-(``data.py``), and run a jitted step — LLM hidden states on the fly (no gradient) or read from
-a features folder (``features.py``, ``train.features``), the chunked
-distillation loss (``losses.py``), AdamW with linear warmup + cosine decay and global-norm
-clipping — with explicit shardings and a donated train state. Every ``checkpoint_every``
-steps, at a requested stop and at the end it saves a checkpoint (``checkpoint.py``); a rerun
-with the same output folder resumes from the newest one and sees exactly the batches it would
-have seen. At the end the drafter is exported in the reference format (the
-redrafter-jax format for a multi-layer drafter, which the reference cannot hold) to
-``<output_dir>/drafter``, with its token ranking (response-token frequency in the data;
-``train.vocab_limit`` trains on the top K of it).
+``train(preset)`` runs the whole job: load the LLM and place it on the mesh (``sharding.py``), build
+the drafter (fresh, or from ``train.init_drafter``, which may grow ``feature_layers`` ending at the
+LLM's last layer and starts as it was: ``_as_the_preset_asks``), read batches with the grain
+pipeline (``data.py``), and run a jitted step — LLM hidden states on the fly (no gradient) or read
+from a features folder (``features.py``, ``train.features``), the chunked distillation loss
+(``losses.py``), AdamW with linear warmup + cosine decay and global-norm clipping — with explicit
+shardings and a donated train state. Every ``checkpoint_every`` steps, at a requested stop and at
+the end it saves a checkpoint (``checkpoint.py``); a rerun with the same output folder resumes from
+the newest one and sees exactly the batches it would have seen. At the end the drafter is exported
+in the reference format (the redrafter-jax format for a multi-layer drafter, which the reference
+cannot hold) to ``<output_dir>/drafter``, with its token ranking (response-token frequency in the
+data; ``train.vocab_limit`` trains on the top K of it).
 
 Time-boxed runs (``train.max_seconds``): a lease gives a fixed time on a GPU whose step time is
 not known beforehand, and a cosine schedule cut off mid-way leaves a drafter trained at a high
@@ -284,7 +283,7 @@ def _as_the_preset_asks(drafter: Drafter, preset: Preset, llm_cfg) -> Drafter:
   asked = dataclasses.asdict(preset.drafter_config(llm_cfg))
   named = set(preset.drafter or {})
   differ = sorted(k for k in named if asked[k] != getattr(got, k))
-  grow = tuple(asked["feature_layers"])
+  grow = asked["feature_layers"]
   if differ == ["feature_layers"] and not got.feature_layers:
     last = llm_cfg.num_layers - 1
     if grow[-1] != last:
