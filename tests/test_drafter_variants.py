@@ -332,7 +332,7 @@ def test_multi_layer_features_folder_gives_the_inline_loss(synthetic, tmp_path):
                           batch_tokens=256, feature_layers=(0, 1))
   p = load_preset(_tiny(), {**_overrides(synthetic, tmp_path / "run"),
                             "drafter.feature_layers": [0, 1], "train.soft_targets": True})
-  _, drafter_of, params, vocab_ids_R = trainer._trainable_drafter(p, llm.config)
+  _, drafter_of, _, params, vocab_ids_R = trainer._trainable_drafter(p, llm.config)
   kw = dict(seq_len=64, global_batch=4, seed=0, hidden_size=64)
   with pytest.raises(data.DataError, match="feature_layers"):
     data.make_iterator(synthetic, **kw, features=feats, feature_layers=(2,))  # not stored

@@ -51,7 +51,7 @@ def test_states_equal_the_packed_forward_of_training(made):
 def test_loss_and_gradients_equal_the_inline_forward(made):
   folder, feats, llm = made
   p = preset(folder, "unused", soft_targets=True, vocab_limit=64)
-  _, drafter_of, params, vocab_ids_R = trainer._trainable_drafter(p, llm.config)
+  _, drafter_of, _, params, vocab_ids_R = trainer._trainable_drafter(p, llm.config)
   batch = next(data.make_iterator(folder, seq_len=SEQ, global_batch=4, seed=0, features=feats,
                                   hidden_size=64))
   from flax import nnx

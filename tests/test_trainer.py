@@ -309,6 +309,28 @@ def test_a_drafter_grows_multi_layer_features_and_starts_as_it_was(synthetic, tm
                     export=False)
 
 
+def test_bf16_matmuls_train_and_the_held_out_score_stays_float32(synthetic, tmp_path):
+  """``train.matmul_dtype: bfloat16``: the step multiplies in bf16 (its first loss is near the
+  float32 run's and not equal to it), the run learns, and held-out evaluation scores the float32
+  drafter (a continued run's step 0 equals the float32 score of the drafter it continues)."""
+  kw = dict(num_steps=30, learning_rate=0.01, eval_shards=1, eval_every=15, eval_batches=2)
+  full = trainer.train(preset(synthetic, tmp_path / "f32", **kw), progress=False)
+  half = trainer.train(preset(synthetic, tmp_path / "bf16", matmul_dtype="bfloat16", **kw),
+                       progress=False)
+  first_full, first_half = full.history[0]["loss"], half.history[0]["loss"]
+  assert first_half == pytest.approx(first_full, rel=1e-2) and first_half != first_full
+  losses = [r["loss"] for r in half.history]
+  assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
+  go_on = dict(kw, num_steps=2, init_drafter=str(full.drafter_dir), matmul_dtype="bfloat16")
+  rows = trainer.train(preset(synthetic, tmp_path / "on", **go_on), progress=False,
+                       export=False).eval_history
+  want = {k: v for k, v in full.eval_history[-1].items() if k != "step"}
+  assert rows[0]["step"] == 0
+  assert {k: v for k, v in rows[0].items() if k != "step"} == pytest.approx(want, rel=1e-5)
+  with pytest.raises(ConfigError, match="train.matmul_dtype must be 'float32' or 'bfloat16'"):
+    preset(synthetic, tmp_path / "x", matmul_dtype="float16")
+
+
 def test_init_drafter_shape_mismatch_is_a_clear_error(synthetic, tmp_path):
   from redrafter_jax.config import DrafterConfig
   from redrafter_jax.models.drafter import init_drafter

@@ -411,8 +411,17 @@ class TrainConfig:
   # weight ``rank_loss_weight``. 0 turns it off.
   rank_loss_weight: float = 0.0
   rank_top_k: int = 8
+  # The drafter's matmuls in a training step: "float32", or "bfloat16" (operands rounded to
+  # bfloat16, accumulated in float32, forward and backward; parameters, optimizer state, softmax
+  # and loss stay float32: models.bf16_matmul). bfloat16 is the fast setting where the hardware
+  # multiplies bfloat16 natively (GPU tensor cores; CPUs with AMX or AVX512-BF16). Held-out
+  # evaluation and the exported drafter are float32 either way.
+  matmul_dtype: str = "float32"
 
   def __post_init__(self):
+    if self.matmul_dtype not in ("float32", "bfloat16"):
+      raise ConfigError(f"train.matmul_dtype must be 'float32' or 'bfloat16', got "
+                        f"{self.matmul_dtype!r}")
     for name in ("self_feed", "rank_loss_weight"):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from redrafter_jax.config import DrafterConfig
+from redrafter_jax.models.bf16_matmul import bf16_dot_general
 
 REFERENCE_CUT_VALUE = -5e4
 
@@ -46,10 +47,10 @@ class TokenRanking(nnx.Variable):
 
 class ResBlock(nnx.Module):
 
-  def __init__(self, dim: int, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, dim: int, *, dtype, rngs: nnx.Rngs, dot_general=jax.lax.dot_general):
     # The reference zero-initialises the ResBlock so a fresh head starts as identity.
     self.linear = nnx.Linear(dim, dim, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                             kernel_init=nnx.initializers.zeros_init())
+                             kernel_init=nnx.initializers.zeros_init(), dot_general=dot_general)
 
   def __call__(self, x):
     return x + jax.nn.silu(self.linear(x))
@@ -57,15 +58,22 @@ class ResBlock(nnx.Module):
 
 class Drafter(nnx.Module):
 
-  def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, matmul_dtype=None,
+               rngs: nnx.Rngs):
+    """``dtype``: the parameters' (and activations'). ``matmul_dtype`` bfloat16 (training only,
+    ``train.matmul_dtype``; see ``with_matmul_dtype``) multiplies in bfloat16 with float32
+    accumulation (``bf16_matmul``); None multiplies in ``dtype``."""
     D, C, V = cfg.hidden_size, cfg.exit_dim, cfg.vocab_size
     self.config = cfg
     self.dtype = dtype
+    if matmul_dtype is not None and jnp.dtype(matmul_dtype) != jnp.bfloat16:
+      raise ValueError(f"matmul_dtype must be None or bfloat16, got {matmul_dtype!r}")
+    dot = jax.lax.dot_general if matmul_dtype is None else bf16_dot_general
     lin = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                                        rngs=rngs)
+                                        rngs=rngs, dot_general=dot)
     if cfg.has_input_proj:
       self.input_proj = lin(2 * D, C, True)
-    self.lm_head = nnx.List([ResBlock(C, dtype=dtype, rngs=rngs)
+    self.lm_head = nnx.List([ResBlock(C, dtype=dtype, rngs=rngs, dot_general=dot)
                              for _ in range(cfg.num_draft_layers)] + [lin(C, V, False)])
     if cfg.feature_layers:
       k = len(cfg.feature_layers)
@@ -209,6 +217,17 @@ def reference_top_k_cut(logits_xV: jax.Array, k: int) -> jax.Array:
 
 def init_drafter(cfg: DrafterConfig, *, seed: int = 0, dtype=jnp.float32) -> Drafter:
   return Drafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def with_matmul_dtype(drafter: Drafter, matmul_dtype) -> Drafter:
+  """``drafter`` (same parameters, same state) whose layers multiply in ``matmul_dtype``
+  (``Drafter``'s argument; None: its own dtype). Training builds the step's drafter this way
+  (``train.matmul_dtype``); what it saves, evaluates and decodes with stays the plain one."""
+  out = nnx.eval_shape(lambda: Drafter(drafter.config, dtype=drafter.dtype,
+                                       matmul_dtype=matmul_dtype, rngs=nnx.Rngs(0)))
+  out.token_ranking = TokenRanking(drafter.token_ranking[...])
+  nnx.update(out, nnx.state(drafter))
+  return out
 
 
 def abstract_drafter(cfg: DrafterConfig, *, dtype=jnp.float32) -> Drafter:

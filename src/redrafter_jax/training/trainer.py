@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 from redrafter_jax import sharding as sh
 from redrafter_jax.config import ConfigError, DrafterConfig, Preset
 from redrafter_jax.models.drafter import (Drafter, TokenRanking, init_head_from_llm,
-                                          restrict_vocab)
+                                          restrict_vocab, with_matmul_dtype)
 from redrafter_jax.training import data as data_lib
 from redrafter_jax.training import losses
 from redrafter_jax.training.checkpoint import Checkpointer, abstract_like
@@ -319,8 +319,9 @@ def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
 
 
 def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
-  """``(merge, drafter_of, params, vocab_ids_R)``: params (pure dict) -> full drafter, -> the
-  drafter the loss trains (vocabulary-restricted with ``vocab_limit``), initial params."""
+  """``(merge, drafter_of, train_drafter_of, params, vocab_ids_R)``: params (pure dict) -> full
+  drafter; -> the drafter the loss scores (vocabulary-restricted with ``vocab_limit``); -> the
+  same, multiplying in ``train.matmul_dtype``, for the training step; initial params."""
   cfg = preset.train
   drafter = build_drafter(preset, llm_cfg)
   # The response-token ranking goes out with the drafter (``restrict_vocab`` reads it) and,
@@ -343,9 +344,18 @@ def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
   # Only nnx.Params train; the rest (the token ranking) is fixed.
   graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
   merge = lambda p: nnx.merge(graphdef, p, rest)
-  drafter_of = merge if vocab_ids_R is None else (
-      lambda p: restrict_vocab(merge(p), cfg.vocab_limit))
-  return merge, drafter_of, nnx.to_pure_dict(params), vocab_ids_R
+
+  def scored(graph):  # params -> the drafter the loss scores, built on ``graph``
+    if vocab_ids_R is None:
+      return lambda p: nnx.merge(graph, p, rest)
+    return lambda p: restrict_vocab(nnx.merge(graph, p, rest), cfg.vocab_limit)
+
+  train_graphdef = graphdef
+  if cfg.matmul_dtype != "float32":
+    train_graphdef = nnx.split(with_matmul_dtype(drafter, jnp.dtype(cfg.matmul_dtype)),
+                               nnx.Param, ...)[0]
+  return (merge, scored(graphdef), scored(train_graphdef), nnx.to_pure_dict(params),
+          vocab_ids_R)
 
 
 class _Meter:
@@ -483,7 +493,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   mesh = sh.make_mesh(cfg.mesh_data, cfg.mesh_model)
   rows = sh.process_rows(mesh, cfg.batch_size)
   llm_graphdef, llm_state, llm_shardings, llm_cfg, out_VD = _frozen_llm(preset, mesh, data_vocab)
-  merge, drafter_of, params, vocab_ids_R = _trainable_drafter(preset, llm_cfg, out_VD)
+  merge, drafter_of, train_drafter_of, params, vocab_ids_R = _trainable_drafter(
+      preset, llm_cfg, out_VD)
   feature_layers = merge(params).config.feature_layers
   boxed = cfg.max_seconds is not None
   # A time-boxed run's schedule is fixed only once it has timed itself: its optimizer runs at
@@ -514,9 +525,11 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   if start:
     log.info("resuming at step %d of %d", start, num_steps)
 
+  # Held-out evaluation scores the float32 drafter whatever the step multiplies in.
   loss_spec = LossSpec.make(llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers)
+  train_spec = dataclasses.replace(loss_spec, drafter_of=train_drafter_of)
   step_fn = jax.jit(
-      functools.partial(_train_step, loss_spec, tx, schedule),
+      functools.partial(_train_step, train_spec, tx, schedule),
       in_shardings=(llm_shardings, state_shardings, sh.batch_sharding(mesh))
       + ((repl,) if boxed else ()),
       out_shardings=(state_shardings, repl), donate_argnums=(1,))
