@@ -16,7 +16,7 @@ and then runs on a slow path (no faster than float32). So on a CPU the backward 
 transposed operand out row-major first (a flatten behind an optimisation barrier, which XLA
 cannot turn into a layout change) and multiplies in the served form. Off the CPU (GPU, TPU) the
 transposed contractions go to the vendor GEMM as they are. ``python -m redrafter_jax.bench
-train-step`` times a training step both ways.
+train_step`` times a training step both ways.
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-
-def _on_cpu() -> bool:
-  return jax.default_backend() == "cpu"
+from redrafter_jax.models.linear import on_cpu
 
 
 def _row_major_transpose(a_MN: jax.Array) -> jax.Array:
   """``a.T`` written out as a row-major array (``[N, M]``), not as a layout change."""
   M, N = a_MN.shape
-  if not _on_cpu():
+  if not on_cpu():
     return a_MN.T
   return jax.lax.optimization_barrier(a_MN.T.reshape(-1)).reshape(N, M)
 
@@ -46,7 +44,7 @@ def _mm(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _matmul(x_xK, w_KN, x_dtype, w_dtype):
-  return _mm(x_xK.reshape(-1, x_xK.shape[-1]), w_KN).reshape(*x_xK.shape[:-1], w_KN.shape[1])
+  return _matmul_fwd(x_xK, w_KN, x_dtype, w_dtype)[0]
 
 
 def _matmul_fwd(x_xK, w_KN, x_dtype, w_dtype):

@@ -225,7 +225,6 @@ def with_matmul_dtype(drafter: Drafter, matmul_dtype) -> Drafter:
   (``train.matmul_dtype``); what it saves, evaluates and decodes with stays the plain one."""
   out = nnx.eval_shape(lambda: Drafter(drafter.config, dtype=drafter.dtype,
                                        matmul_dtype=matmul_dtype, rngs=nnx.Rngs(0)))
-  out.token_ranking = TokenRanking(drafter.token_ranking[...])
   nnx.update(out, nnx.state(drafter))
   return out
 
