@@ -450,7 +450,8 @@ def test_time_boxed_run_fits_its_schedule_to_the_budget(synthetic, tmp_path, mon
   assert [r["step"] for r in result.history] == list(range(1, fitted + 1))
   assert json.loads((out / "schedule.json").read_text()) == {
       "max_seconds": max_seconds, "seconds_per_step": PACE, "num_steps": fitted,
-      "decided_at_step": DECIDED_AT, "elapsed_seconds": elapsed, "reserve_seconds": reserve}
+      "decided_at_step": DECIDED_AT, "elapsed_seconds": elapsed, "reserve_seconds": reserve,
+      "fitted_num_steps": fitted, "refits": []}  # too short a run to time itself again
   # The probe ran on the provisional schedule over num_steps, the rest on the one over the
   # fitted count, which ends where a run of that many steps would: the last step at the
   # schedule's value before its end, the optimizer's count at the end value (0).
@@ -502,6 +503,80 @@ def test_resumed_time_boxed_run_keeps_its_schedule(synthetic, tmp_path, monkeypa
   for name, value in trainer.flat_dict(full.params).items():
     np.testing.assert_allclose(trainer.flat_dict(resumed.params)[name], value, rtol=1e-6,
                                atol=1e-6, err_msg=name)
+
+
+class ListClock:
+  """A clock for ``trainer._clock`` that returns ``readings`` in turn, then keeps the last."""
+
+  def __init__(self, readings):
+    self.readings = list(readings)
+
+  def __call__(self) -> float:
+    return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def test_time_boxed_run_that_slows_after_its_probe_refits_its_schedule(synthetic, tmp_path,
+                                                                        monkeypatch):
+  # The probe's pace is PACE and the budget fits 200 steps after the decision at that pace;
+  # the re-fits fall 20, 60 and 120 steps after it. From the decision on the steps take twice
+  # as long. The clock is read at the start, after the first step, after the probe, at the
+  # decision, when re-timing starts, and at each re-fit step.
+  more, slow = 200, 2 * PACE
+  max_seconds = budget_for(more, evaluated=False)[0]
+  assert trainer.REFIT_FRACTIONS == (0.1, 0.3, 0.6) and trainer.REFIT_MIN_STEPS <= 20
+
+  def clock():
+    start = [TICK, 2 * TICK, 3 * TICK, 4 * TICK, 5 * TICK]
+    return ListClock(start + [5 * TICK + slow * n for n in (20, 60, 120)])
+
+  # At the first re-fit 4*TICK + 20*slow of the budget are spent and the reserve is
+  # RESERVE_STEPS * slow + RESERVE_SECONDS: (max_seconds - spent - reserve) / slow = 75.25
+  # more steps fit. At the second the same pace fits the same count: no change.
+  refit_at, refitted = DECIDED_AT + 20, DECIDED_AT + 20 + 75
+  kw = dict(num_steps=1000, max_seconds=max_seconds, checkpoint_every=25)
+  monkeypatch.setattr(trainer, "_clock", clock())
+  p = preset(synthetic, tmp_path / "full", **kw)
+  full = trainer.train(p, progress=False, export=False)
+  assert full.num_steps == full.last_step == refitted
+  schedule = json.loads((tmp_path / "full" / "schedule.json").read_text())
+  assert schedule["fitted_num_steps"] == DECIDED_AT + more
+  assert schedule["num_steps"] == refitted
+  assert [(r["step"], r["seconds_per_step"], r["num_steps"]) for r in schedule["refits"]] == [
+      (refit_at, slow, refitted)]
+  # Up to the re-fit the rates are those of the schedule over the fitted count; after it, the
+  # rest of that schedule compressed onto the steps left: no jump, still falling to its last
+  # value at the new end.
+  lrs = np.array([r["lr"] for r in full.history])
+  planned = trainer._schedule_values(p.train, DECIDED_AT + more, DECIDED_AT + more)
+  np.testing.assert_allclose(lrs[DECIDED_AT:refit_at], planned[DECIDED_AT:refit_at], rtol=1e-6)
+  assert np.all(np.diff(lrs[refit_at - 1:]) < 0)
+  fresh = float(trainer.make_schedule(p.train, refitted)(refit_at))  # a new cosine would jump
+  assert abs(lrs[refit_at] - lrs[refit_at - 1]) < 0.005 * lrs[refit_at - 1]
+  assert abs(fresh - lrs[refit_at - 1]) > 0.02 * lrs[refit_at - 1]
+  assert lrs[-1] == pytest.approx(planned[-1], rel=1e-6)
+  # A run that dies after the re-fit resumes on the same rates and count, without re-timing.
+  monkeypatch.setattr(trainer, "_clock", clock())
+  crashed = preset(synthetic, tmp_path / "crash", **kw)
+  first = trainer.train(crashed, stop_after=refit_at + 10, save_at_stop=False, progress=False,
+                        export=False)
+  assert first.num_steps == refitted
+  monkeypatch.setattr(trainer, "_clock", FakeClock(100 * TICK))
+  resumed = trainer.train(crashed, progress=False, export=False)
+  assert resumed.start_step == 25 and resumed.num_steps == resumed.last_step == refitted
+  full_lrs = {r["step"]: r["lr"] for r in full.history}
+  assert all(r["lr"] == full_lrs[r["step"]] for r in resumed.history)
+  for step, loss in losses_of(resumed).items():
+    assert loss == pytest.approx(losses_of(full)[step], rel=1e-6, abs=1e-6), step
+
+
+def test_stretch_keeps_the_start_and_maps_the_rest_onto_the_new_end():
+  rates = np.linspace(1.0, 0.1, 10).astype(np.float32)  # steps 1..10
+  longer = trainer._stretch(rates, 4, 16)
+  assert len(longer) == 16 and np.array_equal(longer[:4], rates[:4])
+  assert longer[-1] == pytest.approx(rates[-1]) and np.all(np.diff(longer) < 0)
+  shorter = trainer._stretch(rates, 4, 7)  # steps 5..7 take the rates at 6, 8 and 10
+  np.testing.assert_allclose(shorter, np.concatenate([rates[:4], rates[[5, 7, 9]]]), rtol=1e-6)
+  assert np.array_equal(trainer._stretch(rates, 4, 4), rates[:4])  # the budget is spent
 
 
 @pytest.mark.parametrize("value", [0, -5, "soon", True])
