@@ -536,11 +536,10 @@ class _TimeBox:
     log.info("time budget %g s: steps %d-%d ran at %.3g s/step -> %d steps, not %d (%.1f s in)",
              self.cfg.max_seconds, since + 1, step, seconds_per_step, fitted, self.num_steps,
              elapsed)
-    self.num_steps = fitted
-    self.lrs = _stretch(self.lrs, step, fitted)
-    self.saved["num_steps"] = fitted
+    self.num_steps = self.saved["num_steps"] = fitted
     self.saved["refits"].append({"step": step, "seconds_per_step": seconds_per_step,
                                  "num_steps": fitted, "elapsed_seconds": elapsed})
+    self.lrs = self._rates()  # what a resumed run replays from schedule.json
     self._write()
     return self.num_steps
 
