@@ -380,6 +380,9 @@ def test_bench_decode_compares_weight_layouts_side_by_side(tiny, capsys):
       ["| oi", "AR greedy"], ["| oi", "ReDrafter W=2 L=3"], ["| io", "AR greedy"],
       ["| io", "ReDrafter W=2 L=3"], ["| oi", "W=2 L=3"], ["| io", "W=2 L=3"]]
   assert rows[1].endswith("| 3/3 |") and rows[3].endswith("| 3/3 |")
+  for row in rows[1], rows[3]:  # tokens/step = 1 + the accepted tokens of each beam source
+    cells = row.split(" | ")
+    assert sum(map(float, cells[5].split(" / "))) == pytest.approx(float(cells[4]) - 1, abs=0.02)
   for bad in ("oi,oi", "io,xy"):
     with pytest.raises(SystemExit):
       bench_decode.main(args + ["--weight-layouts", bad])

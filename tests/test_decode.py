@@ -86,6 +86,9 @@ def test_tokens_per_step_and_metrics_consistent(llm, ar_greedy):
   assert 0 < m["dedup_saving"] < 1
   rates = m["per_depth_acceptance"]
   assert len(rates) == 4 and all(0 <= r <= 1 for r in rates)
+  # No lookup beam, no alternatives: every accepted token is the drafter's.
+  assert m["accepted_per_step_by_source"] == pytest.approx(
+      dict(drafter=m["accepted_tokens"] / m["steps"], lookup=0.0, alternative=0.0))
 
 
 def test_batched_rows_finish_independently(llm, drafter, ar_greedy):
@@ -187,6 +190,10 @@ def test_step1_alternatives_keep_greedy_exact_and_get_accepted(llm, ar_greedy, W
   plain, with_alts = decode(llm, d, PROMPTS, base), decode(llm, d, PROMPTS, alts)
   assert plain.tokens == with_alts.tokens == ar_greedy.tokens
   assert with_alts.metrics["accepted_tokens"] > plain.metrics["accepted_tokens"]
+  # The accepted tokens that only an alternative held are counted as the alternatives'.
+  by, m = with_alts.metrics["accepted_per_step_by_source"], with_alts.metrics
+  assert by["alternative"] > 0 and plain.metrics["accepted_per_step_by_source"]["alternative"] == 0
+  assert sum(by.values()) == pytest.approx(m["tokens_per_step"] - 1)
   stepwise = decode_stepwise(llm, d, PROMPTS, alts)
   assert stepwise.tokens == with_alts.tokens and stepwise.metrics == with_alts.metrics
 

@@ -89,6 +89,11 @@ def test_greedy_with_lookup_equals_ar_and_context_is_the_text(llm, drafter, W, L
   if L > 2:
     assert result.metrics["tokens_per_step"] > alone.metrics["tokens_per_step"] + 0.3, (
         result.metrics["tokens_per_step"], alone.metrics["tokens_per_step"])
+  # The metrics credit those copies to the lookup beam; without it, everything is the drafter's.
+  by, m = result.metrics["accepted_per_step_by_source"], result.metrics
+  assert sum(by.values()) == pytest.approx(m["tokens_per_step"] - 1)
+  assert by["alternative"] == 0 and (by["lookup"] > 0.3 if L > 2 else by["lookup"] > 0), by
+  assert alone.metrics["accepted_per_step_by_source"]["lookup"] == 0
 
 
 def test_server_slot_batch_keeps_the_context(llm, drafter):

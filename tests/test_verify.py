@@ -186,6 +186,36 @@ def test_exact_walk_on_hand_made_tree(jitted):
   assert int(v2.end_slot_B[0]) == 0
 
 
+def test_winning_source_credits_the_first_source_holding_the_path():
+  """Beams from the drafter, the lookup and a step-1 alternative: the accepted path is credited
+  to the first source (drafter, lookup, alternative) with a beam that holds it."""
+  from redrafter_jax.inference.step import ALTERNATIVE, DRAFTER, LOOKUP, winning_source
+
+  sources = (DRAFTER, DRAFTER, LOOKUP, ALTERNATIVE)
+  # drafter [1 2 3] [1 4 5]; lookup [1 2 6] (shares the drafter's first node); alternative [1 7]
+  beams = jnp.asarray([[[1, 2, 3], [1, 4, 5], [1, 2, 6], [1, 7, -1]]])
+  t = tree_lib.pack(beams, 8)
+  node = np.asarray(t.node_BWL[0])
+
+  def credit(num, beam):
+    end = node[beam, num]
+    v = verify.Verdict(path_BA=jnp.zeros((1, 3), jnp.int32), num_accepted_B=jnp.asarray([num]),
+                       tokens_BA=jnp.zeros((1, 3), jnp.int32), end_slot_B=jnp.asarray([end]))
+    return np.asarray(winning_source(t, v, sources))[0].tolist()
+
+  assert credit(0, 0) == [0, 0, 0]  # nothing drafted was accepted
+  assert credit(1, 2) == [1, 0, 0]  # [1 2]: the lookup holds it, so does drafter beam 0
+  assert credit(2, 2) == [0, 1, 0]  # [1 2 6]: the lookup's alone
+  assert credit(2, 1) == [1, 0, 0]
+  assert credit(1, 3) == [0, 0, 1]  # [1 7]: the alternative's alone
+  # Without sources every beam is the drafter's; a wrong count is refused.
+  v = verify.Verdict(path_BA=jnp.zeros((1, 3), jnp.int32), num_accepted_B=jnp.asarray([1]),
+                     tokens_BA=jnp.zeros((1, 3), jnp.int32), end_slot_B=jnp.asarray([node[3, 1]]))
+  assert np.asarray(winning_source(t, v, ())).tolist() == [[1, 0, 0]]
+  with pytest.raises(ValueError, match="3 beam sources for a tree of 4 beams"):
+    winning_source(t, v, sources[:3])
+
+
 def assert_same_verdict(got, want):
   for name in ("path_BA", "num_accepted_B", "tokens_BA", "end_slot_B"):
     np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)

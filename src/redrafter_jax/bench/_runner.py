@@ -130,6 +130,7 @@ class Runner:
       return r.tokens, dict(steps=s["steps"], tokens_per_step=s["tokens_per_step"],
                             accepted_histogram=s["accepted_length_histogram"],
                             per_depth_acceptance=s["per_depth_acceptance"],
+                            accepted_per_step_by_source=s["accepted_per_step_by_source"],
                             mean_tree_tokens=s["mean_tree_tokens"], dedup_saving=s["dedup_saving"])
     if len(prompts) != 1:
       raise ValueError("transformers peers run at batch 1 only")

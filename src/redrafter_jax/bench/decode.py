@@ -1,7 +1,9 @@
 """``python -m redrafter_jax.bench decode``: AR vs ReDrafter on Spec-Bench prompts, one run.
 
 Prints, per (W, L): tokens/s of our AR greedy and of ReDrafter greedy on the same prompts
-(interleaved, batch 1), tokens/step, mean packed tree size and dedup saving; then the cost split
+(interleaved, batch 1), tokens/step and the accepted drafted tokens per step by the beam that
+held them (drafter / context lookup / step-1 alternatives), mean packed tree size and dedup
+saving; then the cost split
 of one decode step (draft = beam search + tree packing; verify = the LLM forward over the tree;
 accept + commit), measured on a real prefilled state, with the overhead ratio
 (draft + accept/commit) / verify. ``--weight-layouts oi,io`` runs all of it for each way of
@@ -15,6 +17,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from redrafter_jax.bench._common import draft_vocab_arg, load
@@ -73,7 +76,8 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
   def accept_commit(state, beams, tree, logits, hidden, cache):
     verdict = step_lib.accept(state.rng, beams, tree, logits, p.params, cfg, False, p.greedy)
     return step_lib.commit(state, cache, verdict, hidden, tree, p.stop_ids,
-                           max_new_tokens=cfg.max_new_tokens)
+                           max_new_tokens=cfg.max_new_tokens,
+                           sources=step_lib.beam_sources(cfg))
 
   beams, tree = draft(llm_state, d_state, state)
   logits, hidden, cache = verify(llm_state, state, tree)
@@ -141,7 +145,8 @@ def main(argv=None) -> int:
       redrafters[x, cfg] = ReDrafter(model, drafter, cfg)  # models split once each
       redrafters[x, cfg]([prompts[0]], stop_ids=stops)
   totals = {(x, "ar"): [0, 0.0] for x in layouts}
-  totals |= {key: [0, 0.0, 0, 0.0, 0.0, 0] for key in redrafters}
+  totals |= {key: [0, 0.0, 0, 0.0, 0.0, 0, np.zeros(len(step_lib.SOURCES))]
+             for key in redrafters}
   for prompt in prompts:
     for x, model in llms.items():
       t = time.perf_counter()
@@ -158,16 +163,20 @@ def main(argv=None) -> int:
         row[3] += r.metrics["accepted_tokens"]
         row[4] += r.metrics["mean_tree_tokens"] * r.metrics["steps"]
         row[5] += r.tokens[0] == ar.tokens[0]
-  print("\n| layout | decoder | tokens/s | speedup vs AR (same layout) | tokens/step | tree tokens "
-        "(packed / beams) | same tokens as AR |")
-  print("|---|---|---|---|---|---|---|")
+        row[6] += r.metrics["steps"] * np.asarray(
+            [r.metrics["accepted_per_step_by_source"][k] for k in step_lib.SOURCES])
+  print("\n| layout | decoder | tokens/s | speedup vs AR (same layout) | tokens/step | accepted "
+        f"per step: {' / '.join(step_lib.SOURCES)} | tree tokens (packed / beams) "
+        "| same tokens as AR |")
+  print("|---|---|---|---|---|---|---|---|")
   for x in layouts:
     ar_tps = totals[x, "ar"][0] / totals[x, "ar"][1]
-    print(f"| {x} | AR greedy | {ar_tps:.1f} | 1.00x | 1.00 | - | - |")
+    print(f"| {x} | AR greedy | {ar_tps:.1f} | 1.00x | 1.00 | - | - | - |")
     for b, cfg in zip(settings, cfgs):
-      n, secs, steps, acc, tree, same = totals[x, cfg]
+      n, secs, steps, acc, tree, same, by_source = totals[x, cfg]
+      by = " / ".join(f"{v / max(steps, 1):.2f}" for v in by_source)
       print(f"| {x} | ReDrafter {b.label} | {n / secs:.1f} | {n / secs / ar_tps:.2f}x | "
-            f"{(acc + steps) / max(steps, 1):.2f} | {tree / max(steps, 1):.1f} / "
+            f"{(acc + steps) / max(steps, 1):.2f} | {by} | {tree / max(steps, 1):.1f} / "
             f"{cfg.num_beams * cfg.beam_length + 2 * cfg.first_alternatives} | "
             f"{same}/{len(prompts)} |")
   print("\n| layout | setting | N | draft (beam search + pack) ms | verify forward ms "

@@ -38,7 +38,8 @@ from redrafter_jax.inference import sampling
 from redrafter_jax.inference.runtime import (GenerateError, cache_size_for, check_sampling,
                                              checked_loop, keep_unless, mode_jit,
                                              pack_prompts)
-from redrafter_jax.inference.step import DecodeState, Metrics, drafter_layers, init, step
+from redrafter_jax.inference.step import (SOURCES, DecodeState, Metrics, drafter_layers, init,
+                                         step)
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter, restrict_vocab
 from redrafter_jax.models.llama import Llama
@@ -125,6 +126,11 @@ def summarize(m: Metrics, num_B: np.ndarray) -> dict:
       mean_tree_tokens=float(np.sum(m.tree_tokens_B) / max(steps, 1)),
       mean_unique_tokens=float(np.sum(m.unique_tokens_B) / max(steps, 1)),
       dedup_saving=float(1 - np.sum(m.unique_tokens_B) / max(np.sum(m.beam_tokens_B), 1)),
+      # tokens_per_step = 1 + the sum of these: accepted drafted tokens per step by the source
+      # of the beam that held them (``step.SOURCES``; the drafter's first where several did)
+      accepted_per_step_by_source={
+          name: float(n / max(steps, 1))
+          for name, n in zip(SOURCES, np.asarray(m.accepted_by_source_BK).sum(0))},
       tokens_per_row=np.asarray(num_B).tolist(),
       steps_per_row=np.asarray(m.steps_B).tolist())
 

@@ -41,11 +41,48 @@ class Metrics:
   tree_tokens_B: jax.Array  # packed tree tokens (<= N) summed over steps
   unique_tokens_B: jax.Array  # unique tree nodes before the budget cut, summed
   beam_tokens_B: jax.Array  # W * L summed over steps (before de-duplication)
+  # Accepted drafted tokens by the source of the beam that held the accepted path (columns:
+  # ``SOURCES``); a path that a drafter beam holds counts as the drafter's even where the lookup
+  # beam or an alternative held it too, so a column counts only what that source added.
+  accepted_by_source_BK: jax.Array
 
   @classmethod
   def zeros(cls, batch: int, beam_length: int) -> "Metrics":
     z = jnp.zeros((batch,), jnp.int32)
-    return cls(z, z, jnp.zeros((batch, beam_length), jnp.int32), z, z, z)
+    return cls(z, z, jnp.zeros((batch, beam_length), jnp.int32), z, z, z,
+               jnp.zeros((batch, len(SOURCES)), jnp.int32))
+
+
+# Where a beam of the tree comes from: the drafter's beam search, the context lookup
+# (``with_lookup_beam``) or a step-1 alternative (``with_first_alternatives``).
+SOURCES = ("drafter", "lookup", "alternative")
+DRAFTER, LOOKUP, ALTERNATIVE = range(len(SOURCES))
+
+
+def beam_sources(cfg: DecodeConfig) -> tuple[int, ...]:
+  """The source of each beam that ``draft`` puts in the tree, in its order."""
+  return ((DRAFTER,) * cfg.beam_width + (LOOKUP,) * bool(cfg.lookup_ngram)
+          + (ALTERNATIVE,) * cfg.first_alternatives)
+
+
+def winning_source(tree: tree_lib.Tree, verdict: verify_lib.Verdict,
+                   sources: tuple[int, ...]) -> jax.Array:
+  """``[B, len(SOURCES)]`` one-hot: the first source (in ``SOURCES`` order) with a beam that
+  holds the accepted path; all zeros where no drafted token was accepted. ``sources``: each
+  beam's (``beam_sources``); empty: every beam is the drafter's (a drafter's ``propose``)."""
+  node_BWL = tree.node_BWL
+  W = node_BWL.shape[1]
+  if not sources:
+    sources = (DRAFTER,) * W
+  if len(sources) != W:
+    raise ValueError(f"{len(sources)} beam sources for a tree of {W} beams")
+  num_B = verdict.num_accepted_B
+  at_end_BW = jnp.take_along_axis(node_BWL, num_B[:, None, None], axis=2)[:, :, 0]
+  holds_BW = (at_end_BW == verdict.end_slot_B[:, None]) & (num_B[:, None] > 0)
+  of_BWK = jnp.asarray(sources)[None, :, None] == jnp.arange(len(SOURCES))[None, None, :]
+  held_BK = (holds_BW[:, :, None] & of_BWK).any(axis=1)
+  first_BK = held_BK & (jnp.cumsum(held_BK, axis=1) == 1)
+  return first_BK.astype(jnp.int32)
 
 
 @struct.dataclass
@@ -214,8 +251,10 @@ def _sampled_rule(rng, beams: BeamOutput, tree: tree_lib.Tree, logp_BNV,
 
 
 def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, hidden_BND,
-           tree: tree_lib.Tree, stop_ids, *, max_new_tokens: int) -> DecodeState:
-  """Keep the accepted path: cache, next (h, g0), output tokens and metrics of active rows."""
+           tree: tree_lib.Tree, stop_ids, *, max_new_tokens: int,
+           sources: tuple[int, ...] = ()) -> DecodeState:
+  """Keep the accepted path: cache, next (h, g0), output tokens and metrics of active rows.
+  ``sources``: each tree beam's source (``beam_sources(cfg)``), for the metrics."""
   active_B = ~state.done_B
   count_B = verdict.num_accepted_B + 1
   cache = kvc.commit(cache, verdict.path_BA, jnp.where(active_B, count_B, 0))
@@ -236,7 +275,9 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
           verdict.num_accepted_B, L, dtype=jnp.int32),
       tree_tokens_B=m.tree_tokens_B + on * jnp.minimum(tree.num_unique_B, tree.size),
       unique_tokens_B=m.unique_tokens_B + on * tree.num_unique_B,
-      beam_tokens_B=m.beam_tokens_B + on * (W * L))
+      beam_tokens_B=m.beam_tokens_B + on * (W * L),
+      accepted_by_source_BK=m.accepted_by_source_BK + (on * verdict.num_accepted_B)[:, None]
+      * winning_source(tree, verdict, sources))
   keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   return DecodeState(cache=cache, g0_B=keep(next_B, state.g0_B), h_BD=keep(h_BD, state.h_BD),
                      context_BS=context_BS, out=out.replace(steps=out.steps + 1), done_B=done_B,
@@ -260,4 +301,4 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
                                                  drafter_layers(drafter))
   verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
   return commit(state, cache, verdict, hidden_BND, tree, stop_ids,
-                max_new_tokens=cfg.max_new_tokens)
+                max_new_tokens=cfg.max_new_tokens, sources=beam_sources(cfg))
