@@ -13,7 +13,6 @@ storing the LLM's projections (``models.linear``), interleaved prompt by prompt.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,8 @@ import numpy as np
 from flax import nnx
 
 from redrafter_jax.bench._common import draft_vocab_arg, load
+from redrafter_jax.bench._compiles import programs_compiled
+from redrafter_jax.bench._runner import timed
 from redrafter_jax.bench.ar import DEFAULT_PROMPTS
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.helptext import show_defaults
@@ -137,7 +138,9 @@ def main(argv=None) -> int:
         f"greedy, batch 1, {args.param_dtype} weights in layout(s) {','.join(layouts)}, "
         f"drafter={args.drafter}, draft_vocab={args.draft_vocab or 'all'}, "
         f"device={jax.devices()[0].platform}")
-  # Warm up (compile) every program first, then interleave the timed runs by prompt.
+  # Warm up (compile) the first prompt's programs, then interleave the timed runs by prompt. A
+  # prompt of another length needs programs of its own (prefill, cache size, context buckets):
+  # a call that compiled anything is run and timed again (``timed``), so no compile is counted.
   redrafters = {}
   for x, model in llms.items():
     generate(model, [prompts[0]], max_new_tokens=args.max_new_tokens, stop_ids=stops)
@@ -147,24 +150,26 @@ def main(argv=None) -> int:
   totals = {(x, "ar"): [0, 0.0] for x in layouts}
   totals |= {key: [0, 0.0, 0, 0.0, 0.0, 0, np.zeros(len(step_lib.SOURCES))]
              for key in redrafters}
+  compiled_before = programs_compiled()
   for prompt in prompts:
     for x, model in llms.items():
-      t = time.perf_counter()
-      ar = generate(model, [prompt], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+      ar, secs = timed(lambda: generate(model, [prompt], max_new_tokens=args.max_new_tokens,
+                                        stop_ids=stops))
       totals[x, "ar"][0] += len(ar.tokens[0])
-      totals[x, "ar"][1] += time.perf_counter() - t
+      totals[x, "ar"][1] += secs
       for cfg in cfgs:
-        t = time.perf_counter()
-        r = redrafters[x, cfg]([prompt], stop_ids=stops)
+        r, secs = timed(lambda: redrafters[x, cfg]([prompt], stop_ids=stops))
         row = totals[x, cfg]
         row[0] += len(r.tokens[0])
-        row[1] += time.perf_counter() - t
+        row[1] += secs
         row[2] += r.metrics["steps"]
         row[3] += r.metrics["accepted_tokens"]
         row[4] += r.metrics["mean_tree_tokens"] * r.metrics["steps"]
         row[5] += r.tokens[0] == ar.tokens[0]
         row[6] += r.metrics["steps"] * np.asarray(
             [r.metrics["accepted_per_step_by_source"][k] for k in step_lib.SOURCES])
+  print(f"# {programs_compiled() - compiled_before} programs compiled on the way (other prompt "
+        "lengths' shapes); each call that compiled was timed again")
   print("\n| layout | decoder | tokens/s | speedup vs AR (same layout) | tokens/step | accepted "
         f"per step: {' / '.join(step_lib.SOURCES)} | tree tokens (packed / beams) "
         "| same tokens as AR |")
