@@ -279,8 +279,8 @@ def _close_gate(free_steps: int = 0) -> None:
 def _pass_gate():
   if _FREE_STEPS[0] > 0:
     _FREE_STEPS[0] -= 1
-  else:
-    GATE.wait(60)
+  else:  # every test sets the gate when done; the timeout only keeps a broken test from hanging
+    GATE.wait(600)
   return np.int32(0)
 
 
@@ -488,13 +488,18 @@ def test_shutdown_drains_requests_in_flight(one_slot, finishes):
   srv, engine = one_slot
   app = create_app(engine, testing.word_tokenizer(V), model_name=MODEL)
   http = ServerThread(app, shutdown_grace=60 if finishes else 0.5).start()
-  body = {**LONG, "max_tokens": 3 if finishes else 400, "stream": True}
+  # More tokens than the prefill and the one free step can give (the self-drafter's beams are
+  # all accepted): the request must still be held at the gate when the server starts draining,
+  # or the drain finds nothing in flight and the server is gone before /health is asked.
+  held = 2 * (DCFG.beam_length + 1)
+  body = {**LONG, "max_tokens": held if finishes else 400, "stream": True}
   _close_gate(free_steps=1)
   stopper = threading.Thread(target=http.stop)
   try:
     with httpx.stream("POST", f"{http.url}/v1/completions", json=body, timeout=120) as s:
       lines = s.iter_lines()
       first = next(line for line in lines if line.startswith("data: "))
+      assert engine.active_slots() == 1, "the streamed request is not held at the gate"
       stopper.start()
       _wait(lambda: _health_status(http.url) == 503)
       assert httpx.get(f"{http.url}/health", timeout=10).json()["status"] == "draining"
