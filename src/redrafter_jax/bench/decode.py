@@ -76,9 +76,7 @@ def step_split(llm, drafter, prompt, cfg: DecodeConfig, repeat: int) -> dict:
   @jax.jit
   def accept_commit(state, beams, tree, logits, hidden, cache):
     verdict = step_lib.accept(state.rng, beams, tree, logits, p.params, cfg, False, p.greedy)
-    return step_lib.commit(state, cache, verdict, hidden, tree, p.stop_ids,
-                           max_new_tokens=cfg.max_new_tokens,
-                           sources=step_lib.beam_sources(cfg))
+    return step_lib.commit(state, cache, verdict, hidden, tree, p.stop_ids, cfg)
 
   beams, tree = draft(llm_state, d_state, state)
   logits, hidden, cache = verify(llm_state, state, tree)

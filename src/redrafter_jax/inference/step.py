@@ -69,11 +69,9 @@ def winning_source(tree: tree_lib.Tree, verdict: verify_lib.Verdict,
                    sources: tuple[int, ...]) -> jax.Array:
   """``[B, len(SOURCES)]`` one-hot: the first source (in ``SOURCES`` order) with a beam that
   holds the accepted path; all zeros where no drafted token was accepted. ``sources``: each
-  beam's (``beam_sources``); empty: every beam is the drafter's (a drafter's ``propose``)."""
+  beam's (``beam_sources``)."""
   node_BWL = tree.node_BWL
   W = node_BWL.shape[1]
-  if not sources:
-    sources = (DRAFTER,) * W
   if len(sources) != W:
     raise ValueError(f"{len(sources)} beam sources for a tree of {W} beams")
   num_B = verdict.num_accepted_B
@@ -251,17 +249,17 @@ def _sampled_rule(rng, beams: BeamOutput, tree: tree_lib.Tree, logp_BNV,
 
 
 def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, hidden_BND,
-           tree: tree_lib.Tree, stop_ids, *, max_new_tokens: int,
-           sources: tuple[int, ...] = ()) -> DecodeState:
+           tree: tree_lib.Tree, stop_ids, cfg: DecodeConfig) -> DecodeState:
   """Keep the accepted path: cache, next (h, g0), output tokens and metrics of active rows.
-  ``sources``: each tree beam's source (``beam_sources(cfg)``), for the metrics."""
+  ``cfg``: the settings ``draft`` built ``tree`` with (its beams' sources, for the metrics, and
+  ``max_new_tokens``)."""
   active_B = ~state.done_B
   count_B = verdict.num_accepted_B + 1
   cache = kvc.commit(cache, verdict.path_BA, jnp.where(active_B, count_B, 0))
   h_BD = jnp.take_along_axis(hidden_BND, verdict.end_slot_B[:, None, None], axis=1)[:, 0]
   next_B = jax.vmap(lambda t, n: t[n])(verdict.tokens_BA, verdict.num_accepted_B)
   out, done_B = record(state.out, state.done_B, verdict.tokens_BA, count_B, stop_ids,
-                       max_new_tokens)
+                       cfg.max_new_tokens)
   context_BS = lookup.write(state.context_BS, state.cache.lengths_B + 1, verdict.tokens_BA,
                             jnp.where(active_B, count_B, 0))
   m = state.metrics
@@ -277,7 +275,7 @@ def commit(state: DecodeState, cache: kvc.KVCache, verdict: verify_lib.Verdict, 
       unique_tokens_B=m.unique_tokens_B + on * tree.num_unique_B,
       beam_tokens_B=m.beam_tokens_B + on * (W * L),
       accepted_by_source_BK=m.accepted_by_source_BK + (on * verdict.num_accepted_B)[:, None]
-      * winning_source(tree, verdict, sources))
+      * winning_source(tree, verdict, beam_sources(cfg)))
   keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   return DecodeState(cache=cache, g0_B=keep(next_B, state.g0_B), h_BD=keep(h_BD, state.h_BD),
                      context_BS=context_BS, out=out.replace(steps=out.steps + 1), done_B=done_B,
@@ -300,5 +298,4 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
   logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree, width,
                                                  drafter_layers(drafter))
   verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
-  return commit(state, cache, verdict, hidden_BND, tree, stop_ids,
-                max_new_tokens=cfg.max_new_tokens, sources=beam_sources(cfg))
+  return commit(state, cache, verdict, hidden_BND, tree, stop_ids, cfg)

@@ -172,8 +172,7 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
   rule = lambda filtered, greedy: lambda: step_lib.accept(
       keys_B2[:, 1], beams, tree, logits_BNV, batch.params, cfg, filtered, greedy)
   verdict = jax.lax.switch(kind, [rule(False, True), rule(False, False), rule(True, False)])
-  new = step_lib.commit(state, cache, verdict, hidden_BND, tree, stop_ids,
-                        max_new_tokens=cfg.max_new_tokens, sources=step_lib.beam_sources(cfg))
+  new = step_lib.commit(state, cache, verdict, hidden_BND, tree, stop_ids, cfg)
   return _finish(batch, s, new, width or cfg.beam_length)
 
 
