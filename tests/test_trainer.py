@@ -3,6 +3,7 @@
 import csv
 import json
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -543,17 +544,16 @@ def test_time_boxed_run_that_slows_after_its_probe_refits_its_schedule(synthetic
   assert schedule["num_steps"] == refitted
   assert [(r["step"], r["seconds_per_step"], r["num_steps"]) for r in schedule["refits"]] == [
       (refit_at, slow, refitted)]
-  # Up to the re-fit the rates are those of the schedule over the fitted count; after it, the
-  # rest of that schedule compressed onto the steps left: no jump, still falling to its last
-  # value at the new end.
+  # Up to the re-fit the rates are those of the schedule over the fitted count; after it,
+  # those of the schedule over the re-fitted count at the same steps (a jump down here, where
+  # the count shrank), still falling to that schedule's last value at the new end.
   lrs = np.array([r["lr"] for r in full.history])
   planned = trainer._schedule_values(p.train, DECIDED_AT + more, DECIDED_AT + more)
   np.testing.assert_allclose(lrs[DECIDED_AT:refit_at], planned[DECIDED_AT:refit_at], rtol=1e-6)
+  replanned = trainer._schedule_values(p.train, refitted, refitted)
+  np.testing.assert_allclose(lrs[refit_at:], replanned[refit_at:], rtol=1e-6)
+  assert lrs[refit_at] < 0.98 * planned[refit_at]  # not the old schedule's rate
   assert np.all(np.diff(lrs[refit_at - 1:]) < 0)
-  fresh = float(trainer.make_schedule(p.train, refitted)(refit_at))  # a new cosine would jump
-  assert abs(lrs[refit_at] - lrs[refit_at - 1]) < 0.005 * lrs[refit_at - 1]
-  assert abs(fresh - lrs[refit_at - 1]) > 0.02 * lrs[refit_at - 1]
-  assert lrs[-1] == pytest.approx(planned[-1], rel=1e-6)
   # A run that dies after the re-fit resumes on the same rates and count, without re-timing.
   monkeypatch.setattr(trainer, "_clock", clock())
   crashed = preset(synthetic, tmp_path / "crash", **kw)
@@ -569,14 +569,20 @@ def test_time_boxed_run_that_slows_after_its_probe_refits_its_schedule(synthetic
     assert loss == pytest.approx(losses_of(full)[step], rel=1e-6, abs=1e-6), step
 
 
-def test_stretch_keeps_the_start_and_maps_the_rest_onto_the_new_end():
-  rates = np.linspace(1.0, 0.1, 10).astype(np.float32)  # steps 1..10
-  longer = trainer._stretch(rates, 4, 16)
-  assert len(longer) == 16 and np.array_equal(longer[:4], rates[:4])
-  assert longer[-1] == pytest.approx(rates[-1]) and np.all(np.diff(longer) < 0)
-  shorter = trainer._stretch(rates, 4, 7)  # steps 5..7 take the rates at 6, 8 and 10
-  np.testing.assert_allclose(shorter, np.concatenate([rates[:4], rates[[5, 7, 9]]]), rtol=1e-6)
-  assert np.array_equal(trainer._stretch(rates, 4, 4), rates[:4])  # the budget is spent
+def test_refit_keeps_the_steps_run_and_places_the_rest_on_the_new_schedule():
+  cfg = types.SimpleNamespace(learning_rate=1.0, warmup_fraction=0.1, num_steps=10)
+  schedule = lambda n: trainer._schedule_values(cfg, n, n)
+  rates = schedule(10)  # steps 1..10
+  longer = trainer._refitted(cfg, rates, 8, 20)
+  assert len(longer) == 20 and np.array_equal(longer[:8], rates[:8])
+  np.testing.assert_allclose(longer[8:], schedule(20)[8:], rtol=1e-6)
+  # The steps added late are not spent in the old schedule's tail: the rate jumps back up.
+  assert longer[8] > 5 * rates[8] and np.all(np.diff(longer[8:]) < 0)
+  shorter = trainer._refitted(cfg, rates, 4, 6)
+  assert len(shorter) == 6 and np.array_equal(shorter[:4], rates[:4])
+  np.testing.assert_allclose(shorter[4:], schedule(6)[4:], rtol=1e-6)
+  assert shorter[4] < rates[4]
+  assert np.array_equal(trainer._refitted(cfg, rates, 4, 4), rates[:4])  # the budget is spent
 
 
 @pytest.mark.parametrize("value", [0, -5, "soon", True])

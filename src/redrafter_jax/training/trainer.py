@@ -27,10 +27,12 @@ before any decision probes, on its own budget). A short probe can mislead (on a 
 later steps may run slower or faster than it measured), so the run re-times itself at
 ``REFIT_FRACTIONS`` of the steps it fitted (each over at least ``REFIT_MIN_STEPS`` steps since
 the last timing, so short runs are fitted once) and, where the pace since then fits a count
-off by more than ``REFIT_TOLERANCE`` of the steps left, re-fits it: the steps still to run
-follow the rest of the current schedule, stretched or compressed onto the new count
-(``_stretch``), so the rate stays continuous and still ends at 0. Each re-fit is recorded in
-``schedule.json`` too.
+off by more than ``REFIT_TOLERANCE`` of the steps left, re-fits it: the steps still to run take
+the rates of the schedule over the new count from the current step on (``_refitted``), as if
+that count had been fitted at the start, so the rate still ends at 0. It may jump there (up
+where the count grew): stretching the rest of the old schedule instead kept the rate
+continuous, but a late re-fit that extended the count then ran its added steps at the tail's
+near-zero rates. Each re-fit is recorded in ``schedule.json`` too.
 
 Outputs in ``train.output_dir``: ``checkpoints/``, ``metrics.csv``, TensorBoard events in
 ``tb/``, ``curves.png``, ``drafter/`` (and ``schedule.json`` for a time-boxed run).
@@ -402,17 +404,12 @@ def _schedule_values(cfg, num_steps: int, count: int) -> np.ndarray:
   return np.asarray(make_schedule(cfg, num_steps)(np.arange(count)), np.float32)
 
 
-def _stretch(rates: np.ndarray, step: int, num_steps: int) -> np.ndarray:
+def _refitted(cfg, rates: np.ndarray, step: int, num_steps: int) -> np.ndarray:
   """A run's per-step rates (index: step - 1) re-fitted at ``step`` to end at ``num_steps``:
-  the steps up to ``step`` keep theirs, and the rest of the schedule is mapped linearly onto
-  the steps after it (step ``num_steps`` takes the last rate), interpolating between steps."""
-  old = len(rates)
-  if num_steps <= step or old <= step:
-    return rates[:max(step, 0)].copy()
-  t = np.arange(step + 1, num_steps + 1, dtype=np.float64)
-  at = step + (t - step) * (old - step) / (num_steps - step)
-  tail = np.interp(at, np.arange(1, old + 1), rates.astype(np.float64))
-  return np.concatenate([rates[:step], tail.astype(np.float32)])
+  the steps up to ``step`` keep theirs, and the later ones take the schedule over
+  ``num_steps`` at their own positions."""
+  step = max(step, 0)
+  return np.concatenate([rates[:step], _schedule_values(cfg, num_steps, num_steps)[step:]])
 
 
 class _TimeBox:
@@ -455,7 +452,7 @@ class _TimeBox:
     if self.decided:
       rates = np.concatenate([rates, _schedule_values(cfg, n, n)[len(rates):]])
       for refit in self.saved.get("refits", ()):
-        rates = _stretch(rates, int(refit["step"]), int(refit["num_steps"]))
+        rates = _refitted(cfg, rates, int(refit["step"]), int(refit["num_steps"]))
     return rates
 
   def lr(self, step: int) -> np.float32:
@@ -523,7 +520,7 @@ class _TimeBox:
 
   def refit(self, step: int) -> int:
     """Time the steps since the last timing and, where the count that fits at that pace is off
-    by more than ``REFIT_TOLERANCE`` of the steps left, re-fit the run to it (``_stretch``);
+    by more than ``REFIT_TOLERANCE`` of the steps left, re-fit the run to it (``_refitted``);
     record it in ``schedule.json``. Returns the run's step count."""
     now = self.marks[-1]
     since, then = self.last_mark
