@@ -450,7 +450,7 @@ class _TimeBox:
     cfg, n = self.cfg, self.fitted
     rates = _schedule_values(cfg, cfg.num_steps, min(self.decide_at, n))
     if self.decided:
-      rates = np.concatenate([rates, _schedule_values(cfg, n, n)[len(rates):]])
+      rates = _refitted(cfg, rates, len(rates), n)  # the decision: the first fit
       for refit in self.saved.get("refits", ()):
         rates = _refitted(cfg, rates, int(refit["step"]), int(refit["num_steps"]))
     return rates
