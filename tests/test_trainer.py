@@ -101,6 +101,30 @@ def test_vocab_limit_trains_on_the_most_frequent_tokens(synthetic, tmp_path):
   assert sorted(nonzero.tolist()) == sorted(top16.tolist())
 
 
+def test_a_continued_drafter_keeps_its_token_ranking(synthetic, tmp_path):
+  """From ``init_drafter`` with ``vocab_limit``, the head trains the rows of the continued
+  drafter's own ranking (saved with it) and exports that ranking: ranking the new data again
+  would zero rows the drafter trained and start others from zero."""
+  import json
+  import shutil
+
+  first = trainer.train(preset(synthetic, tmp_path / "a", num_steps=2, vocab_limit=16),
+                        progress=False)
+  init = tmp_path / "init"
+  shutil.copytree(first.drafter_dir, init)
+  ranking = np.random.default_rng(0).permutation(VOCAB)  # stands for another data set's
+  counts = data.token_counts(synthetic, VOCAB)
+  assert set(ranking[:16]) != set(np.argsort(-counts, kind="stable")[:16].tolist())
+  (init / "token_ranking.json").write_text(json.dumps({"token_ranking": ranking.tolist()}))
+  result = trainer.train(preset(synthetic, tmp_path / "b", num_steps=2, vocab_limit=16,
+                                init_drafter=str(init)), progress=False)
+  kernel = trainer.flat_dict(result.params)["lm_head.1.kernel"]
+  nonzero = np.flatnonzero(np.abs(kernel).max(axis=0) > 0)
+  assert sorted(nonzero.tolist()) == sorted(ranking[:16].tolist())
+  saved = json.loads((result.drafter_dir / "token_ranking.json").read_text())["token_ranking"]
+  assert saved == ranking.tolist()
+
+
 @pytest.mark.parametrize("exit_dim", [128, 96, 32])  # 2D (no input_proj), C >= D, C < D
 def test_head_init_from_llm_reproduces_the_llm_logits(exit_dim):
   import jax.numpy as jnp

@@ -11,7 +11,7 @@ the end it saves a checkpoint (``checkpoint.py``); a rerun with the same output 
 the newest one and sees exactly the batches it would have seen. At the end the drafter is exported
 in the reference format (the redrafter-jax format for a multi-layer drafter, which the reference
 cannot hold) to ``<output_dir>/drafter``, with its token ranking (response-token frequency in the
-data; ``train.vocab_limit`` trains on the top K of it).
+data, or a continued drafter's own; ``train.vocab_limit`` trains on the top K of it).
 
 Time-boxed runs (``train.max_seconds``): a lease gives a fixed time on a GPU whose step time is
 not known beforehand, and a cosine schedule cut off mid-way leaves a drafter trained at a high
@@ -332,6 +332,18 @@ def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
   return graphdef, sh.place(state, shardings), shardings, llm_cfg, out_VD
 
 
+def _continued_ranking(cfg, drafter: Drafter) -> np.ndarray | None:
+  """The ranking a continued drafter (``train.init_drafter``) keeps: its own. With
+  ``vocab_limit`` its head trained the rows of that ranking's top tokens; a ranking of the new
+  data would zero those it does not share and start its own from zero (and the run's step 0
+  would not score the drafter it continues). None for a fresh drafter, or one saved without a
+  ranking (token-id order, e.g. Apple's): the new data ranks the tokens then."""
+  if not cfg.init_drafter:
+    return None
+  ranking_V = np.asarray(drafter.token_ranking[...])
+  return None if np.array_equal(ranking_V, np.arange(ranking_V.size)) else ranking_V
+
+
 def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
   """``(merge, drafter_of, train_drafter_of, params, vocab_ids_R)``: params (pure dict) -> full
   drafter; -> the drafter the loss scores (vocabulary-restricted with ``vocab_limit``); -> the
@@ -341,15 +353,18 @@ def _trainable_drafter(preset: Preset, llm_cfg, out_VD=None):
   # The response-token ranking goes out with the drafter (``restrict_vocab`` reads it) and,
   # with ``vocab_limit``, picks the tokens the head trains on.
   counts = data_lib.token_counts(cfg.data, llm_cfg.vocab_size, **training_shards(cfg))
-  drafter.token_ranking = TokenRanking(jnp.asarray(np.argsort(-counts, kind="stable"), jnp.int32))
+  kept_V = _continued_ranking(cfg, drafter)
+  ranking_V = np.argsort(-counts, kind="stable") if kept_V is None else kept_V
+  drafter.token_ranking = TokenRanking(jnp.asarray(ranking_V, jnp.int32))
   vocab_ids_R = None
   if 0 < cfg.vocab_limit < llm_cfg.vocab_size:
     vocab_ids_R = drafter.token_ranking[...][:cfg.vocab_limit]
   if out_VD is not None:
     init_head_from_llm(drafter, out_VD, vocab_ids_R)
   if vocab_ids_R is not None:
-    log.info("the head trains on the %d most frequent tokens: %.2f%% of response tokens",
-             cfg.vocab_limit, 100 * counts[np.asarray(vocab_ids_R)].sum() / max(counts.sum(), 1))
+    log.info("the head trains on the %d top tokens of %s ranking: %.2f%% of response tokens",
+             cfg.vocab_limit, "this data's" if kept_V is None else "the continued drafter's",
+             100 * counts[np.asarray(vocab_ids_R)].sum() / max(counts.sum(), 1))
     # Rows of tokens that never train get logit 0 rather than a random one, so a drafter
     # decoded without ``restrict_vocab`` does not propose them at random.
     head = drafter.lm_head[-1]
