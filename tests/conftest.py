@@ -87,6 +87,16 @@ def _no_leaked_compile_cache():
   jax.config.update("jax_compilation_cache_dir", before)
 
 
+@pytest.fixture(autouse=True)
+def _tree_times_cached_on_a_busy_machine(monkeypatch):
+  """Tests share the machine with each other's threads and with whatever else runs: tree step
+  times are cached whatever the load, so that a test's second call reads what its first timed
+  (``test_tree_choice`` tests the refusal itself)."""
+  from redrafter_jax.inference import tree_choice
+
+  monkeypatch.setattr(tree_choice, "BUSY_SHARE", 1.0)
+
+
 @pytest.fixture(scope="module")
 def llm():
   """The tiny random LLM (``tiny_models``), one per test module; a module may define its own."""

@@ -2,6 +2,7 @@
 (cached per device), and the choice that combines them."""
 
 import json
+import os
 
 import jax.numpy as jnp
 import pytest
@@ -145,6 +146,71 @@ def test_step_times_are_taken_in_rounds_over_every_program(llm, drafter, monkeyp
   assert set(seconds) == {"1x3", "2x3", "ar"} and all(v > 0 for v in seconds.values())
   # A first step each (a tree's cache width), an untimed call each, then 3 rounds.
   assert order == ["1x3", "2x3"] + ["1x3", "2x3", "ar"] * 4
+
+
+def test_other_processes_cpu_time_is_measured_and_ours_is_not():
+  """Processes that spin on every core while a block runs make ``OtherLoad`` read a busy
+  machine; CPU time this process spends itself is not counted as theirs."""
+  import subprocess
+  import sys
+  import time
+
+  from redrafter_jax.inference import timing
+
+  spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+              for _ in range(os.cpu_count() or 1)]
+  try:
+    time.sleep(0.3)  # started and spinning
+    with timing.OtherLoad() as load:
+      time.sleep(1.0)
+  finally:
+    for p in spinners:
+      p.kill()
+      p.wait()
+  assert load.share > 0.5
+  # The arithmetic, on samples of (wall s, machine busy CPU s, own CPU s) over 2 s of 2 CPUs:
+  # 3 busy seconds of which 2 are ours leave 1 s of 4 to the others.
+  samples = iter([(10.0, 100.0, 50.0), (12.0, 103.0, 52.0)])
+
+  class Sampled(timing.OtherLoad):
+    _sample = staticmethod(lambda: next(samples))
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(timing.psutil, "cpu_count", lambda: 2)
+    with Sampled() as load:
+      pass
+  assert load.share == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("share, cached", [(0.05, True), (0.6, False)])
+def test_step_times_taken_beside_other_load_are_not_cached(tmp_path, llm, drafter, monkeypatch,
+                                                          share, cached):
+  """Step times timed while other processes kept the CPUs busy choose this run's tree but are
+  not cached: the next run times again (a busy spell skews trees against AR)."""
+  monkeypatch.setattr(tree_choice, "BUSY_SHARE", 0.2)  # conftest lifts it for other tests
+
+  class Load:
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.share = share
+
+  timed, logged = [], []
+  monkeypatch.setattr(tree_choice, "OtherLoad", Load)
+  monkeypatch.setattr(tree_choice, "time_steps", lambda *a, **k: timed.append(1) or {
+      "1x3": 0.02, "2x3+2/5": 0.03, "ar": 0.015})
+  table = {Beams(1, 3): 1.2, Beams(2, 3, 2, 5): 1.5}
+  for _ in range(2):
+    choice = tree_choice.for_device(table, llm, drafter, cache=tmp_path, log=logged.append)
+    assert choice.beams == Beams(1, 3)  # 1.2 / 0.02 beats 1.5 / 0.03
+  assert len(timed) == (1 if cached else 2)
+  entries = list((tmp_path / "trees").glob("*.json"))
+  assert len(entries) == (1 if cached else 0)
+  if cached:
+    assert json.loads(entries[0].read_text())["other_cpu_share"] == share
+  else:
+    assert sum("not caching" in m and "60%" in m for m in logged) == 2
 
 
 def test_calibration_prompts_are_held_out_and_spread_over_categories(tmp_path):

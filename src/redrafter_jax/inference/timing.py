@@ -7,6 +7,7 @@ import time
 from typing import Callable, Hashable, Mapping
 
 import jax
+import psutil
 
 Call = Callable[[], object]
 
@@ -45,6 +46,37 @@ def seconds_in_rounds(calls: Mapping[Hashable, tuple[Call | None, Call]], repeat
     for name, (prepare, call) in calls.items():
       times[name].append(_once(prepare, call))
   return {name: statistics.median(t) for name, t in times.items()}
+
+
+class OtherLoad:
+  """The CPU time other processes took while a block ran, as a share of the machine's CPUs
+  (``share``: 0 when this process had the machine to itself, ~1 when others kept every core
+  busy; time the hypervisor stole counts as theirs). Timings taken beside such load are slower
+  than the device is, and unevenly so: a cache of them should not outlive the run.
+
+    with OtherLoad() as load:
+      seconds = time_steps(...)
+    load.share
+  """
+
+  share: float | None = None  # None until the block has run
+
+  @staticmethod
+  def _sample() -> tuple[float, float, float]:
+    cpu = psutil.cpu_times()
+    busy = sum(cpu) - cpu.idle - getattr(cpu, "iowait", 0.0)
+    own = psutil.Process().cpu_times()
+    return time.perf_counter(), busy, own.user + own.system
+
+  def __enter__(self) -> "OtherLoad":
+    self._start = self._sample()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    (t0, busy0, own0), (t1, busy1, own1) = self._start, self._sample()
+    capacity = (t1 - t0) * (psutil.cpu_count() or 1)
+    others = (busy1 - busy0) - (own1 - own0)
+    self.share = min(max(others / capacity, 0.0), 1.0) if capacity > 0 else 0.0
 
 
 class TreeStepper:

@@ -9,7 +9,8 @@ A tree's speed is tokens per step over seconds per step, and the two come from d
   candidate, and the AR step, on the device at hand (batch 1, a fixed context), as EAGLE-2's
   ``total_token=-1`` times its verify budgets. The table is cached per device (CPU model and
   flags or accelerator kind, weight dtype, attention backend, model shape) under the cache folder,
-  so a device pays for it once.
+  so a device pays for it once; times taken while other processes kept the CPUs busy are used
+  for that run only, not cached.
 
 ``choose`` combines them: the candidate with the most tokens per second of predicted speed,
 with the predicted speedup over AR (tokens/step x AR step / tree step). ``tuned`` does all of it
@@ -33,6 +34,7 @@ import numpy as np
 
 from redrafter_jax.config import ConfigError, DecodeConfig
 from redrafter_jax.errors import UserError
+from redrafter_jax.inference.timing import OtherLoad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +320,13 @@ def choose(tokens_per_step: dict[Beams, float], seconds: dict[str, float]) -> Ch
   return Choice(rows[0][0], tuple(rows), seconds["ar"])
 
 
+# Step times are cached only when other processes took at most this share of the CPUs while
+# they were timed. Beside another job the trees' times relative to AR's come out too low (both
+# slow down, unevenly), which predicts too much speed-up and can pick a tree that does not pay; an
+# idle machine's background stays well under it.
+BUSY_SHARE = 0.2
+
+
 def timing_cache(root=None) -> pathlib.Path:
   if root is None:
     from redrafter_jax.weights.fetch import cache_dir
@@ -343,7 +352,9 @@ def for_device(acceptance: dict[Beams, float], llm, drafter, *, draft_vocab_size
   trees = sorted(acceptance, key=lambda b: b.text)
   desc = device_description(llm, drafter, draft_vocab_size)
   desc["trees"] = [b.text for b in trees]
-  desc["timing"] = "interleaved"  # entries timed one program after another are measured again
+  # Entries timed one program after another, or cached whatever the machine's load, are
+  # measured again.
+  desc["timing"] = "interleaved, quiet"
   digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
   path = timing_cache(cache) / f"{digest}.json"
   seconds = None
@@ -354,9 +365,15 @@ def for_device(acceptance: dict[Beams, float], llm, drafter, *, draft_vocab_size
       seconds = None  # a damaged cache entry is measured again
   if seconds is None:
     log(f"timing {len(trees)} draft trees on this device (once; cached in {path.parent}) ...")
-    seconds = time_steps(llm, drafter, trees, draft_vocab_size=draft_vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"device": desc, "seconds": seconds}, indent=1) + "\n")
-    os.replace(tmp, path)
+    with OtherLoad() as load:
+      seconds = time_steps(llm, drafter, trees, draft_vocab_size=draft_vocab_size)
+    if load.share > BUSY_SHARE:
+      log(f"not caching these step times: other processes used {load.share:.0%} of the CPUs "
+          "while they were timed, which skews them; the next run times the trees again")
+    else:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+      tmp.write_text(json.dumps({"device": desc, "seconds": seconds,
+                                 "other_cpu_share": round(load.share, 3)}, indent=1) + "\n")
+      os.replace(tmp, path)
   return choose(acceptance, seconds)
