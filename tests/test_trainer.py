@@ -327,11 +327,77 @@ def test_a_drafter_grows_multi_layer_features_and_starts_as_it_was(synthetic, tm
   assert rows[-1] != pytest.approx(rows[0], rel=1e-5)
   assert load_drafter(result.drafter_dir).config.feature_layers == (0, 1)
   refused = [({"feature_layers": [1, 0]}, r"last listed layer is the LLM's last \(1\)"),
-             ({"exit_dim": 48}, r"exit_dim=32 \(the preset's drafter.exit_dim: 48\)")]
+             ({"num_draft_layers": 3},
+              r"num_draft_layers=1 \(the preset's drafter.num_draft_layers: 3\)")]
   for drafter, needle in refused:
     with pytest.raises(ConfigError, match=needle):
       trainer.train(preset(synthetic, tmp_path / "c", drafter, **kw), progress=False,
                     export=False)
+
+
+def test_a_drafter_grows_wider_and_starts_as_it_was(synthetic, tmp_path):
+  """``drafter.exit_dim`` wider than the continued drafter's: the first held-out score is the
+  drafter's own, training moves it, and the export is the wider drafter. A narrower width, or
+  one that would drop ``input_proj``, is refused by name."""
+  from redrafter_jax.weights.drafter_io import load_drafter
+
+  kw = dict(num_steps=4, eval_shards=1, eval_every=2, eval_batches=2)
+  first = trainer.train(preset(synthetic, tmp_path / "a", **kw), progress=False)
+  kw["init_drafter"] = str(first.drafter_dir)
+  result = trainer.train(preset(synthetic, tmp_path / "b", {"exit_dim": 48}, **kw),
+                         progress=False)
+  rows = result.eval_history
+  want = {k: v for k, v in first.eval_history[-1].items() if k != "step"}
+  assert {k: v for k, v in rows[0].items() if k != "step"} == pytest.approx(want, rel=1e-5)
+  assert rows[-1] != pytest.approx(rows[0], rel=1e-5)
+  assert load_drafter(result.drafter_dir).config.exit_dim == 48
+  for width, needle in [(16, r"exit_dim=32; drafter.exit_dim=16 can grow"),
+                        (128, r"exit_dim=32; drafter.exit_dim=128 can grow")]:
+    with pytest.raises(ConfigError, match=needle):
+      trainer.train(preset(synthetic, tmp_path / "c", {"exit_dim": width}, **kw),
+                    progress=False, export=False)
+
+
+@pytest.mark.parametrize("layers", [None, (0, 2, 3)])
+def test_growing_keeps_the_logits_and_the_new_width_learns(layers):
+  """The grown drafter's logits equal the old one's for any input (wider, and wider with more
+  layers read), and the head's rows for the new channels get a gradient at once (the channels
+  carry input_proj's fresh rows), so the new width is not stuck at a zero saddle."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from redrafter_jax.config import DrafterConfig
+  from redrafter_jax.models.drafter import Drafter
+  from redrafter_jax.training.grow import grow_as_asked
+
+  old_cfg = DrafterConfig(vocab_size=50, hidden_size=16, exit_dim=8, num_draft_layers=2,
+                          rnn=True)
+  old = Drafter(old_cfg, rngs=nnx.Rngs(0))
+  for block in old.lm_head[:-1]:  # trained ResBlocks are not zero: give them weights
+    block.linear.kernel.set_value(jax.random.normal(jax.random.key(1), (8, 8)) * 0.3)
+    block.linear.bias.set_value(jax.random.normal(jax.random.key(2), (8,)) * 0.3)
+  asked = dataclasses.replace(old_cfg, exit_dim=24, feature_layers=layers or ())
+  named = {"exit_dim"} | ({"feature_layers"} if layers else set())
+  grown = grow_as_asked(old, asked, named, last_layer=3, seed=5, source="old")
+  h_xD = jax.random.normal(jax.random.key(3), (4, 16))
+  s_xD = jax.random.normal(jax.random.key(4), (4, 16))
+  prev_xD = jax.random.normal(jax.random.key(6), (4, 16))
+  feats = h_xD if not layers else jnp.concatenate(
+      [jax.random.normal(jax.random.key(7), (4, 32)), h_xD], axis=-1)
+  want = old.step(old.context(h_xD), s_xD, prev_xD)[0]
+  got = grown.step(grown.context(feats), s_xD, prev_xD)[0]
+  assert grown.config.exit_dim == 24 and got.shape == want.shape
+  assert jnp.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+  def loss(model):
+    return -model.step(model.context(feats), s_xD, prev_xD)[0][:, 7].mean()
+
+  grads = nnx.grad(loss)(grown)
+  head_new = grads.lm_head[2].kernel[...][8:]  # the head's rows for the new channels
+  assert bool(jnp.all(jnp.abs(head_new).sum(axis=1) > 0))
 
 
 def test_bf16_matmuls_train_and_the_held_out_score_stays_float32(synthetic, tmp_path):

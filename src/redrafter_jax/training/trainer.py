@@ -1,8 +1,8 @@
 """Distillation training of the drafter against the frozen LLM (DESIGN §7).
 
 ``train(preset)`` runs the whole job: load the LLM and place it on the mesh (``sharding.py``), build
-the drafter (fresh, or from ``train.init_drafter``, which may grow ``feature_layers`` ending at the
-LLM's last layer and starts as it was: ``_as_the_preset_asks``), read batches with the grain
+the drafter (fresh, or from ``train.init_drafter``, which may grow wider or read more layers and
+starts as it was: ``grow.py``), read batches with the grain
 pipeline (``data.py``), and run a jitted step — LLM hidden states on the fly (no gradient) or read
 from a features folder (``features.py``, ``train.features``), the chunked distillation loss
 (``losses.py``), AdamW with linear warmup + cosine decay and global-norm clipping — with explicit
@@ -65,6 +65,7 @@ from redrafter_jax.models.drafter import (Drafter, TokenRanking, init_head_from_
 from redrafter_jax.training import data as data_lib
 from redrafter_jax.training import losses
 from redrafter_jax.training.checkpoint import Checkpointer, abstract_like
+from redrafter_jax.training.grow import grow_as_asked
 from redrafter_jax.weights.base_model import load_base_model
 
 log = logging.getLogger(__name__)
@@ -288,33 +289,11 @@ def build_drafter(preset: Preset, llm_cfg) -> Drafter:
 
 def _as_the_preset_asks(drafter: Drafter, preset: Preset, llm_cfg) -> Drafter:
   """``train.init_drafter``'s drafter, checked against the fields the preset's ``drafter``
-  section names. One change is allowed: a drafter that reads the last hidden state grows
-  ``feature_layers`` ending at the LLM's last layer. Its fresh ``feature_proj`` copies that
-  layer's state, which is the last hidden state, so the grown drafter starts as the one it
-  continues (its first held-out score equals that drafter's) and training learns what the
-  other layers add. Any other difference is an error, not a silently ignored field."""
-  got = drafter.config
-  asked = dataclasses.asdict(preset.drafter_config(llm_cfg))
-  named = set(preset.drafter or {})
-  differ = sorted(k for k in named if asked[k] != getattr(got, k))
-  grow = asked["feature_layers"]
-  if differ == ["feature_layers"] and not got.feature_layers:
-    last = llm_cfg.num_layers - 1
-    if grow[-1] != last:
-      raise ConfigError(
-          f"train.init_drafter {preset.train.init_drafter} reads the LLM's last hidden state; "
-          f"drafter.feature_layers={list(grow)} can grow from it only when the last listed "
-          f"layer is the LLM's last ({last}), so that the grown drafter starts as it was")
-    grown = Drafter(dataclasses.replace(got, feature_layers=grow), dtype=drafter.dtype,
-                    rngs=nnx.Rngs(preset.train.seed))
-    nnx.update(grown, nnx.state(drafter))
-    return grown
-  if differ:
-    said = ", ".join(f"{k}={getattr(got, k)!r} (the preset's drafter.{k}: {asked[k]!r})"
-                     for k in differ)
-    raise ConfigError(f"train.init_drafter {preset.train.init_drafter} has {said}; make the "
-                      f"preset's drafter section match it, or train a fresh drafter")
-  return drafter
+  section names, and grown where ``grow`` allows (wider, or reading more layers), so that it
+  starts as the drafter it continues; any other difference is an error."""
+  return grow_as_asked(drafter, preset.drafter_config(llm_cfg), set(preset.drafter or {}),
+                       last_layer=llm_cfg.num_layers - 1, seed=preset.train.seed,
+                       source=preset.train.init_drafter)
 
 
 def _frozen_llm(preset: Preset, mesh, data_vocab: int | None):
