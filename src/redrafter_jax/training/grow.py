@@ -75,30 +75,27 @@ def _widen(drafter: Drafter, exit_dim: int, *, seed: int, source: str) -> Drafte
         f"{2 * D}), so that the grown drafter starts as it was")
   wide = Drafter(dataclasses.replace(got, exit_dim=exit_dim), dtype=drafter.dtype,
                  rngs=nnx.Rngs(seed))
-
-  def embed(fresh, old, keep_fresh_columns: bool = False):
-    """``old`` in the leading corner of a zero (or, for ``input_proj``'s new output columns,
-    the fresh random) array of ``fresh``'s shape."""
-    out = jnp.zeros(fresh.shape, fresh.dtype)
-    if keep_fresh_columns:
-      out = fresh
-    return out.at[tuple(slice(0, n) for n in old.shape)].set(old.astype(fresh.dtype))
-
-  wide.input_proj.kernel.set_value(
-      embed(wide.input_proj.kernel[...], drafter.input_proj.kernel[...],
-            keep_fresh_columns=True))
-  wide.input_proj.bias.set_value(
-      embed(wide.input_proj.bias[...], drafter.input_proj.bias[...]))
-  for new, old in zip(wide.lm_head, drafter.lm_head):
-    linear_new, linear_old = (new.linear, old.linear) if hasattr(new, "linear") else (new, old)
-    linear_new.kernel.set_value(embed(linear_new.kernel[...],
-                                      linear_old.kernel[...]))
-    if linear_new.bias is not None:
-      linear_new.bias.set_value(embed(linear_new.bias[...], linear_old.bias[...]))
-  # Everything that does not depend on the width (the RNN, feature_proj, the token ranking).
-  for name in ("rnn_u", "rnn_w", "feature_proj"):
-    if hasattr(drafter, name):
-      nnx.update(getattr(wide, name), nnx.state(getattr(drafter, name)))
-  wide.token_ranking.set_value(drafter.token_ranking[...])
+  fresh_in_proj = wide.input_proj.kernel[...]
+  linears = [getattr(layer, "linear", layer) for layer in wide.lm_head]  # ResBlocks', head
+  wide_shapes = [(lin.kernel[...].shape, lin.bias is not None and lin.bias[...].shape)
+                 for lin in linears]
+  # Every weight that does not depend on the width (the RNN, feature_proj, the token ranking)
+  # is the drafter's own; the width-dependent ones are set again below.
+  nnx.update(wide, nnx.state(drafter))
   wide.vocab_ids = drafter.vocab_ids
+
+  def in_corner(base, old):
+    """``old`` in the leading corner of ``base``."""
+    return base.at[tuple(slice(0, n) for n in old.shape)].set(old.astype(base.dtype))
+
+  def zeros_around(old, shape):
+    return in_corner(jnp.zeros(shape, old.dtype), old)
+
+  # input_proj's new output columns keep their fresh random values: the new channels' signal.
+  wide.input_proj.kernel.set_value(in_corner(fresh_in_proj, drafter.input_proj.kernel[...]))
+  wide.input_proj.bias.set_value(zeros_around(drafter.input_proj.bias[...], (exit_dim,)))
+  for lin, (kernel_shape, bias_shape) in zip(linears, wide_shapes):
+    lin.kernel.set_value(zeros_around(lin.kernel[...], kernel_shape))
+    if bias_shape:
+      lin.bias.set_value(zeros_around(lin.bias[...], bias_shape))
   return wide
