@@ -118,7 +118,9 @@ def test_a_multi_layer_drafter_scores_what_decoding_would(tmp_path):
   feats_TX = acceptance._features(*nnx.split(llm), jnp.asarray(padded)[None], (0, 1))[0]
   starts = np.arange(len(prompt) - 1, len(seq) - n - 1)
   prev_xnD = llm.embed_tokens.embedding[...][padded[starts[:, None] + 1 + np.arange(n)]]
-  got = jax.nn.log_softmax(acceptance.teacher_forced_logits(d, feats_TX[starts], prev_xnD), -1)
+  tokens_xT = np.broadcast_to(padded[None], (starts.size, padded.size))
+  got = jax.nn.log_softmax(acceptance.teacher_forced_logits(d, feats_TX[starts], prev_xnD,
+                                                            tokens_xT, starts), -1)
   np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=2e-4)
 
 
@@ -208,6 +210,159 @@ def test_runs_count_consecutive_hits_from_step_one():
   assert acceptance.runs(hits, 3).tolist() == [3, 1, 3, 2]
 
 
+def test_copy_rule_copies_what_followed_the_latest_earlier_pair():
+  #          0  1  2  3  4  5  6  7  8  9 10
+  seq = np.array([5, 6, 7, 5, 6, 8, 5, 6, 9, 6, 5])
+  guess, fires = acceptance.copy_rule(seq)
+  # (5, 6) ends at 1, 4 and 7: at 4 the rule guesses 7 (after 0-1-2), at 7 it guesses 8 (after
+  # the latest pair, 3-4-5); the pair (6, 5) ending at 10 never came before.
+  assert fires.tolist() == [False] * 4 + [True] + [False] * 2 + [True] + [False] * 3
+  assert guess[4] == 7 and guess[7] == 8 and (guess[~fires] == -1).all()
+  assert not acceptance.copy_rule(np.array([3, 3]))[1].any()
+  # A pair repeated at once: (3, 3) at 1 then at 2 guesses the token after 1, which is 3.
+  guess, fires = acceptance.copy_rule(np.array([3, 3, 3, 4]))
+  assert fires.tolist() == [False, False, True, False] and guess[2] == 3
+
+
+def _reference_copy_rule(seq):
+  out = []
+  for j in range(len(seq)):
+    hits = [i for i in range(1, j) if (seq[i - 1], seq[i]) == (seq[j - 1], seq[j])] if j else []
+    out.append(seq[hits[-1] + 1] if hits else -1)
+  return np.array(out)
+
+
+def test_copy_rule_equals_a_loop_on_random_sequences():
+  rng = np.random.default_rng(0)
+  for size in (1, 2, 3, 50, 400):
+    seq = rng.integers(0, 6, size)
+    guess, fires = acceptance.copy_rule(seq)
+    np.testing.assert_array_equal(guess, _reference_copy_rule(seq.tolist()))
+    np.testing.assert_array_equal(fires, guess >= 0)
+
+
+def _paired_answers(num, rng, rate=0.4, gain=0.05):
+  """Per answer, the hits of a drafter and of one that is also right at ``gain`` more of the
+  positions (paired: the same positions), with answer-level spread."""
+  counts = rng.integers(20, 120, num)
+  p = np.clip(rate + rng.normal(0, 0.15, num), 0.05, 0.9)
+  base = rng.binomial(counts, p)
+  better = base + rng.binomial(counts - base, gain / (1 - p))
+  return np.stack([base, better], 1), counts
+
+
+def test_paired_bootstrap_covers_a_known_difference_and_narrows_with_more_answers():
+  rng = np.random.default_rng(1)
+  widths = []
+  for num in (50, 800):
+    sums, counts = _paired_answers(num, rng)
+    out = acceptance.paired_bootstrap(sums, counts)
+    assert out.shape == (2, 3) and (out[0] == 0).all()
+    d, low, high = out[1]
+    assert low <= d <= high and low < 0.05 < high
+    assert d == pytest.approx(sums[:, 1].sum() / counts.sum() - sums[:, 0].sum() / counts.sum())
+    widths.append(high - low)
+  assert widths[1] < 0.5 * widths[0]
+  again = acceptance.paired_bootstrap(sums, counts)  # a fixed seed: the same interval
+  np.testing.assert_array_equal(again, out)
+
+
+def test_paired_bootstrap_of_identical_arms_is_zero():
+  rng = np.random.default_rng(2)
+  sums, counts = _paired_answers(40, rng)
+  out = acceptance.paired_bootstrap(np.stack([sums[:, 0]] * 3, 1), counts)
+  np.testing.assert_array_equal(out, np.zeros((3, 3)))
+  with pytest.raises(ValueError, match="want sums"):
+    acceptance.paired_bootstrap(sums, counts[:-1])
+
+
+def _tiny_answers(tmp_path, drafter, llm):
+  from redrafter_jax.training import eval_set
+
+  rows = []
+  for k, cat in enumerate(["b", "a", "b"]):
+    prompt = tiny_models.random_tokens(10 + k, 7)
+    answer = _answer_with_hits(llm, drafter, prompt, tiny_models.random_tokens(20 + k, 25))
+    answer += prompt[2:7] + answer[3:9]  # copies, for the copy rule to find
+    rows.append(eval_set.EvalAnswer(f"q{k}", cat, "random:tiny", tuple(prompt), tuple(answer)))
+  return rows
+
+
+def test_scores_join_the_hits_with_the_copy_rule(tmp_path):
+  """``score_answers``' positions: step-1 hits equal ``teacher_forced_hits``', the copy rule
+  is the loop's at the same alignment (the guess for the step-1 target), and two copies of a
+  drafter differ by exactly [0, 0]."""
+  llm, cfg, _ = tiny_models.load_tiny(tmp_path)
+  d = Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, exit_dim=48),
+              rngs=nnx.Rngs(1))
+  answers = _tiny_answers(tmp_path, d, llm)
+  scored = acceptance.score_answers(llm, [d, d], answers, 3, progress=False)
+  at = 0
+  for a, ans in enumerate(answers):
+    prompt, answer = list(ans.prompt), list(ans.answer)
+    hits = acceptance.teacher_forced_hits(llm, d, prompt, answer, 3)
+    rows = slice(at, at + hits.shape[0])
+    at += hits.shape[0]
+    assert (scored.answer_N[rows] == a).all()
+    np.testing.assert_array_equal(scored.hits_KNn[0, rows], hits)
+    np.testing.assert_array_equal(scored.target_N[rows], np.array(answer)[scored.position_N[rows]])
+    assert scored.position_N[rows].tolist() == list(range(1, len(answer) - 2))
+    guess = _reference_copy_rule(prompt + answer)[len(prompt) + scored.position_N[rows] - 1]
+    np.testing.assert_array_equal(scored.rule_hit_N[rows], guess == scored.target_N[rows])
+    np.testing.assert_array_equal(scored.rule_fires_N[rows], guess >= 0)
+  assert at == scored.answer_N.size and scored.rule_hit_N.any()
+  summary = acceptance.summarize(scored, 4)
+  assert list(summary) == ["a", "b", "all"]
+  assert summary["b"]["answers"] == 2 and summary["all"]["positions"] == at
+  for row in summary.values():
+    for interval in row["differences"][0].values():
+      assert interval == [0.0, 0.0, 0.0]
+    rule = row["copy_rule"]
+    for drafter in rule["drafters"]:
+      assert max(drafter["hit"], rule["hit"]) <= drafter["either"] <= drafter["hit"] + rule["hit"]
+  hit = scored.hits_KNn[0, :, 0]
+  assert summary["all"]["drafters"][0]["top-1 s1"] == pytest.approx(hit.mean())
+
+
+def test_a_run_on_an_eval_set_writes_intervals_and_every_position(tmp_path, capsys):
+  """On a fixed set (the tiny random LLM's): ``--drafter X --drafter X`` gives [0, 0]
+  intervals; the report, scores.json and positions.npz agree; a drafter or model other than the
+  set's is refused in one line."""
+  from redrafter_jax.errors import UserError
+  from redrafter_jax.training import eval_set
+  from redrafter_jax.weights.base_model import load_base_model
+  from redrafter_jax.weights.drafter_io import save_drafter
+
+  llm, cfg = load_base_model("random:tiny")
+  d = Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, exit_dim=48),
+              rngs=nnx.Rngs(1))
+  path = eval_set.write_eval_set(_tiny_answers(tmp_path, d, llm), tmp_path / "set.jsonl.gz")
+  folder = save_drafter(d, tmp_path / "drafter")
+  out = tmp_path / "out"
+  args = ["--eval-set", str(path), "--drafter", str(folder), "--drafter", str(folder),
+          "--steps", "3", "--out", str(out)]
+  assert acceptance.main(args) == 0
+  printed = capsys.readouterr().out
+  assert (out / "report.md").read_text().strip() == printed.strip()
+  scores = json.loads((out / "scores.json").read_text())
+  assert list(scores["categories"]) == ["a", "b", "all"] and scores["answers"] == 3
+  for row in scores["categories"].values():
+    assert all(iv == [0.0, 0.0, 0.0] for iv in row["differences"][0].values())
+  assert "+0.000 [+0.000, +0.000]" in printed
+  with np.load(out / "positions.npz") as z:
+    assert z["hit"].shape == (scores["positions"], 2) and (z["hit"][:, 0] == z["hit"][:, 1]).all()
+    assert z["category_names"].tolist() == ["a", "b"] and z["answer"].max() == 2
+    assert z["rule_hit"].mean() == pytest.approx(scores["categories"]["all"]["copy_rule"]["hit"])
+    assert z["hit"][:, 0].mean() == pytest.approx(
+        scores["categories"]["all"]["drafters"][0]["top-1 s1"])
+  assert acceptance.main(args[:2] + ["--model", "random:{\"seed\": 3}"] + args[2:]) == 2
+  assert "holds 'random:tiny'" in capsys.readouterr().err
+  wide = save_drafter(Drafter(DrafterConfig(vocab_size=cfg.vocab_size, hidden_size=32,
+                                            exit_dim=48), rngs=nnx.Rngs(1)), tmp_path / "wide")
+  with pytest.raises(UserError, match="made for an LLM of hidden size 32"):
+    acceptance.main(["--eval-set", str(path), "--drafter", str(wide)])
+
+
 def test_answer_cache_reuses_only_the_same_request(tmp_path):
   path, made = tmp_path / "sub" / "answers.jsonl", []
 
@@ -242,14 +397,32 @@ def test_real_run_prints_one_row_per_category(spec_bench_path, tmp_path, capsys)
   args = ["--prompts", str(small), "--drafter", "shipped", "--drafter", "shipped",
           "--per-category", "1", "--max-new-tokens", "24", "--answers", str(answers)]
   assert acceptance.main(args) == 0
-  table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+  tables = _tables(capsys.readouterr().out)
   assert len(answers.read_text().splitlines()) == 2
-  assert acceptance.main(args) == 0  # from the kept answers: the same table
-  assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")] == table
+  assert acceptance.main(args) == 0  # from the kept answers: the same tables
+  assert _tables(capsys.readouterr().out) == tables
   assert len(answers.read_text().splitlines()) == 2
-  assert [line.split(" | ")[0][2:] for line in table[2:]] == cats + ["**all**"]
-  for line in table[2:]:
+  scores, differences, copying = tables
+  for table in tables:
+    assert [line.split(" | ")[0][2:] for line in table[2:]] == cats + ["**all**"]
+  for line in scores[2:]:
     cells = line.strip("| ").split(" | ")
     assert int(cells[1]) > 0
     assert cells[2:5] == cells[5:8]  # the same drafter twice scores the same
     assert all(0.0 <= float(c) <= 1.0 for c in cells[2:4]) and 1.0 <= float(cells[4]) <= 5.0
+  for line in differences[2:]:
+    assert line.count("+0.000 [+0.000, +0.000]") == 3
+  for line in copying[2:]:
+    cells = line.strip("| ").split(" | ")
+    assert cells[4:8] == cells[8:12] and cells[4] == scores[copying.index(line)].split(" | ")[2]
+
+
+def _tables(text: str) -> list[list[str]]:
+  """The markdown tables of a report, each a list of its lines."""
+  out, current = [], []
+  for line in text.splitlines() + [""]:
+    if line.startswith("| "):
+      current.append(line)
+    elif current:
+      out, current = out + [current], []
+  return out

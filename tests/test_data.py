@@ -219,3 +219,50 @@ def test_token_counts(tmp_path):
           ("b", np.array([7, 9, 9, 9]), np.array([1, 0, 1, 1], np.uint8))]
   counts = data.token_counts(_folder(tmp_path, recs, shards=2), 12)
   assert counts.tolist() == [0, 0, 0, 0, 0, 0, 0, 3, 0, 3, 0, 0]
+
+
+def test_first_fit_rows_fill_the_first_row_with_room():
+  assert data.first_fit_rows([5, 4, 3, 2, 6, 1], 8) == [[0, 2], [1, 3, 5], [4]]
+  assert data.first_fit_rows([], 8) == []
+  with pytest.raises(DataError, match="item 1 has length 9"):
+    data.first_fit_rows([1, 9], 8)
+
+
+def _mixed_folder(tmp_path, records, sampled_every=3):
+  """Two shards (the second held out), every ``sampled_every``-th record answered by sampling."""
+  folder = tmp_path / "mixed"
+  folder.mkdir()
+  half = len(records) // 2
+  for k, part in enumerate((records[:half], records[half:])):
+    data.write_shard(folder / f"shard-{k:05d}.npz",
+                     [data.make_record(t, m, id=i, sampled=j % sampled_every == 0)
+                      for j, (i, t, m) in enumerate(part)])
+  (folder / data.MANIFEST).write_text(json.dumps(
+      {"settings": {}, "shards": {"shard-00000.npz": {}, "shard-00001.npz": {}}}))
+  return folder
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_held_out_batches_hold_every_greedy_answer_once_in_fixed_batches(tmp_path, pack):
+  records = _records(30, max_len=40)
+  folder = _mixed_folder(tmp_path, records)
+  kw = dict(seq_len=32, global_batch=4, holdout=1, pack=pack)
+  batches = list(data.held_out_batches(folder, **kw))
+  held = data.read_shard(folder / "shard-00001.npz")
+  want = [r for r in held if not r["sampled"]]
+  assert 0 < len(want) < len(held)  # sampled answers are left out
+  got = [s for b in batches for s in _sequences(b)]
+  assert all(b["tokens"].shape == (4, 32) for b in batches)
+  assert sorted(got) == sorted((tuple(r["tokens"][data.window(r["mask"], 32)]),
+                                tuple(r["mask"][data.window(r["mask"], 32)])) for r in want)
+  # No seed, no state: the same batches every time; a process's rows are a slice of them.
+  again = list(data.held_out_batches(folder, **kw))
+  part = list(data.held_out_batches(folder, rows=(2, 4), **kw))
+  for a, b, c in zip(batches, again, part):
+    for name in data.FIELDS:
+      np.testing.assert_array_equal(a[name], b[name])
+      np.testing.assert_array_equal(a[name][2:4], c[name])
+  (tmp_path / "s").mkdir()
+  everything_sampled = _mixed_folder(tmp_path / "s", records[:4], sampled_every=1)
+  with pytest.raises(DataError, match="hold no greedy answer"):
+    data.held_out_batches(everything_sampled, **kw)

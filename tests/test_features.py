@@ -48,6 +48,25 @@ def test_states_equal_the_packed_forward_of_training(made):
     np.testing.assert_allclose(b["hidden"][real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
 
 
+def test_held_out_batches_read_the_stored_states(made):
+  """The trainer's fixed held-out batches are the same with features, which hold the states
+  the packed forward computes."""
+  folder, feats, llm = made
+  kw = dict(seq_len=SEQ, global_batch=4, holdout=1)
+  plain = list(data.held_out_batches(folder, **kw))
+  with_h = list(data.held_out_batches(folder, **kw, features=feats, hidden_size=64))
+  assert len(plain) == len(with_h) > 1
+  for a, b in zip(plain, with_h):
+    assert sorted(b) == sorted([*a, "hidden"])
+    for name in a:
+      np.testing.assert_array_equal(a[name], b[name])
+    want = losses.frozen_hidden(llm, jnp.asarray(a["tokens"]), jnp.asarray(a["positions"]),
+                                jnp.asarray(a["segment_ids"]))
+    real = a["segment_ids"] > 0
+    assert not b["hidden"][~real].any()
+    np.testing.assert_allclose(b["hidden"][real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+
+
 def test_loss_and_gradients_equal_the_inline_forward(made):
   folder, feats, llm = made
   p = preset(folder, "unused", soft_targets=True, vocab_limit=64)

@@ -189,6 +189,12 @@ def test_held_out_shards_are_evaluated_and_not_trained_on(synthetic, tmp_path):
   assert rows[0]["targets"] > 0 and np.isfinite(rows[0]["loss"])
   # Same held-out batches every time: with a zero learning rate the scores repeat exactly.
   assert rows[0] == dict(rows[1], step=3)
+  # Every greedy answer of the held-out shard in fixed batches: another seed (and another
+  # eval_batches, no longer read) scores the same positions.
+  other = trainer.train(preset(synthetic, tmp_path / "seed", num_steps=3, eval_shards=1,
+                               eval_every=3, eval_batches=1, learning_rate=0.0, seed=1),
+                        progress=False, export=False).eval_history
+  assert other[0]["targets"] == rows[0]["targets"] and other[0]["loss"] != rows[0]["loss"]
   assert [int(r["step"]) for r in csv.DictReader(open(out / "eval.csv"))] == [3, 6]
   # The ranking (and so the training data) comes from the first shard only.
   first = data.token_counts(synthetic, VOCAB, holdout=1)

@@ -180,8 +180,18 @@ class DrafterConfig:
   # drafter's context vector (EAGLE-3's multi-layer features). Empty: the last hidden state
   # only (the reference drafter). A drafter with layers needs the "redrafter-jax" format.
   feature_layers: tuple[int, ...] = ()
+  # The copy hint (``models/context_copy.py``): at each draft step the drafter also reads the
+  # token that followed the latest earlier occurrence of the longest suffix (up to this many
+  # tokens) of the text so far, and that match's length, into its recurrent state and as a
+  # gated boost of that token's logit. 0: off (the reference drafter). Needs the
+  # "redrafter-jax" format.
+  copy_ngram: int = 0
 
   def __post_init__(self):
+    if (not isinstance(self.copy_ngram, int) or isinstance(self.copy_ngram, bool)
+        or not 0 <= self.copy_ngram <= 8):
+      raise ConfigError(f"drafter.copy_ngram must be an integer in 0..8 (0: off), got "
+                        f"{self.copy_ngram!r}")
     layers = self.feature_layers
     if isinstance(layers, list):
       object.__setattr__(self, "feature_layers", tuple(layers))
@@ -222,6 +232,18 @@ class DrafterConfig:
     out["feature_layers"] = list(self.feature_layers)
     if not self.feature_layers:  # the reference's config.json has no such key
       del out["feature_layers"]
+    if not self.copy_ngram:
+      del out["copy_ngram"]
+    return out
+
+  @property
+  def own_options(self) -> dict[str, Any]:
+    """The options set here that only the "redrafter-jax" format holds (name: value)."""
+    out = {}
+    if self.feature_layers:
+      out["feature_layers"] = list(self.feature_layers)
+    if self.copy_ngram:
+      out["copy_ngram"] = self.copy_ngram
     return out
 
 
@@ -390,8 +412,10 @@ class TrainConfig:
   # (knowledge distillation; see losses.py). False is the reference loss.
   soft_targets: bool = False
   # Held-out evaluation: the last eval_shards shards of train.data are not trained on; every
-  # eval_every steps (0: only at the end) eval_batches batches of them are scored (eval.csv);
-  # a run from init_drafter also scores its starting drafter, as step 0.
+  # eval_every steps (0: only at the end) every greedy answer of them is scored, in fixed batches
+  # that no seed changes (eval.csv; ``data.held_out_batches``); a run from init_drafter also
+  # scores its starting drafter, as step 0. eval_batches is no longer read (older presets carry
+  # it).
   eval_shards: int = 0
   eval_every: int = 0
   eval_batches: int = 8
@@ -585,7 +609,9 @@ class Preset:
     if isinstance(self.serve, Mapping):
       object.__setattr__(self, "serve", ServeConfig.from_dict(self.serve))
     if self.drafter is not None:
-      allowed = {"exit_dim", "num_draft_layers", "rnn", "logit_top_k", "feature_layers"}
+      # Every DrafterConfig field but the two the LLM sets.
+      allowed = {f.name for f in dataclasses.fields(DrafterConfig)} - {"vocab_size",
+                                                                        "hidden_size"}
       unknown = sorted(set(self.drafter) - allowed)
       if unknown:
         raise ConfigError(f"drafter: unknown key(s) {unknown}; valid keys: {sorted(allowed)}")

@@ -11,6 +11,10 @@ then over the W x W survivors: the same beams for a fraction of the sort work.
 
 ``beam_length`` L counts g0 (the reference's convention): beams are ``[B, W, L]`` with g0 in
 column 0 and L - 1 drafted tokens.
+
+A drafter with the copy hint (``DrafterConfig.copy_ngram``) reads, at each step and for each beam,
+the hint at the beam's newest token over the committed context (``context_BS``, g0 at position
+``length_B``) followed by the beam's own drafted tokens: the text that beam would make.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from redrafter_jax.models.context_copy import CopyHint, copy_hints
 from redrafter_jax.models.drafter import Drafter
 
 LOG_ZERO = -5e4  # the reference's log(0) for the initial non-first beams
@@ -37,11 +42,52 @@ class BeamOutput:
   first_logp_BK: jax.Array | None = None
 
 
+def copy_ngram_of(drafter) -> int:
+  """The drafter's ``copy_ngram`` (0 for drafters without a config, such as the tests' oracles)."""
+  return int(getattr(getattr(drafter, "config", None), "copy_ngram", 0) or 0)
+
+
+def beam_hints(context_BS: jax.Array, length_B: jax.Array, beams_BWL: jax.Array, t,
+               max_ngram: int) -> CopyHint:
+  """The copy hint of each beam at its column ``t`` (position ``length + t``): the committed
+  context with the beam's drafted tokens written after g0 (later columns are never read)."""
+  B, W, L = beams_BWL.shape
+  S = context_BS.shape[1]
+  ctx_BWS = jnp.broadcast_to(context_BS[:, None, :], (B, W, S))
+  idx_BWJ = jnp.broadcast_to(length_B[:, None, None] + 1 + jnp.arange(L - 1)[None, None, :],
+                             (B, W, L - 1))
+  ctx_BWS = ctx_BWS.at[jnp.arange(B)[:, None, None], jnp.arange(W)[None, :, None],
+                       idx_BWJ].set(beams_BWL[:, :, 1:], mode="drop")
+  query_BW1 = jnp.broadcast_to((length_B + t)[:, None, None], (B, W, 1))
+  hint = copy_hints(ctx_BWS, query_BW1, max_ngram=max_ngram)
+  return jax.tree.map(lambda a: a[..., 0], hint)
+
+
 def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: jax.Array, *,
                 beam_width: int, beam_length: int, return_full: bool = False,
-                first_k: int = 0) -> BeamOutput:
-  """``first_k`` > 0 also returns the drafter's ``first_k`` best first tokens (``first_BK``)."""
+                first_k: int = 0, context_BS: jax.Array | None = None,
+                length_B: jax.Array | None = None) -> BeamOutput:
+  """Draft ``beam_width`` beams of ``beam_length`` tokens (g0 first) per row.
+
+  Args:
+    drafter: the draft head.
+    embed_VD: the LLM's input embedding table.
+    h_BD: the drafter's context vector (``drafter.context`` of the LLM's features).
+    g0_B: the LLM's newest token, each beam's column 0.
+    beam_width, beam_length: W and L.
+    return_full: also return the drafter's distributions along the beams.
+    first_k: > 0 also returns the drafter's ``first_k`` best first tokens (``first_BK``).
+    context_BS, length_B: the committed tokens with g0 at position ``length_B`` (``DecodeState``'s
+      ``context_BS`` and cache lengths); needed by a drafter with ``copy_ngram``.
+
+  Returns:
+    ``BeamOutput``, beams sorted best first.
+  """
   B, D = h_BD.shape
+  K = copy_ngram_of(drafter)
+  if K and (context_BS is None or length_B is None):
+    raise ValueError(f"a drafter with copy_ngram={K} drafts from the context: pass context_BS "
+                     "and length_B")
   W, L = beam_width, beam_length
   vocab_ids = drafter.vocab_ids[...] if drafter.vocab_ids is not None else None
   V = vocab_ids.shape[0] if vocab_ids is not None else embed_VD.shape[0]
@@ -56,7 +102,11 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
   def step(carry, t, first_k=0):
     beams_BWL, score_BW, logp_BWJ, full_BWJV, state_BWD = carry
     prev_BW = jax.lax.dynamic_index_in_dim(beams_BWL, t, axis=2, keepdims=False)
-    logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW])
+    if K:
+      hint = beam_hints(context_BS, length_B, beams_BWL, t, K)
+      logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW], hint, embed_VD)
+    else:
+      logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW])
     # Per-beam top-W, then the joint top-W over the W*W survivors.
     tok_logp_BWW, tok_BWW = jax.lax.top_k(logp_BWV, W)
     cand_BZ = (score_BW[:, :, None] + tok_logp_BWW).reshape(B, W * W)

@@ -148,7 +148,8 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig,
     beams = beam_search(drafter, embed_VD, drafter.context(state.h_BD), state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
                         return_full=cfg.acceptance == "reference",
-                        first_k=cfg.first_alternatives)
+                        first_k=cfg.first_alternatives, context_BS=state.context_BS,
+                        length_B=state.cache.lengths_B)
   first = (beams.first_BK, beams.first_logp_BK)
   if cfg.lookup_ngram:
     beams = with_lookup_beam(beams, state, cfg.lookup_ngram)

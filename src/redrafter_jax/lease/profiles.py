@@ -157,9 +157,10 @@ def train(size: str) -> Profile:
   the first train lease (2026-11-28) spent the step's share compiling its program."""
   gpu = size == "gpu"
   recipe = _recipe()
-  # the drafter's own format: reference (MLX, TensorRT-LLM) unless it reads several layers
-  layers = (recipe.drafter or {}).get("feature_layers")
-  export_format = "redrafter-jax" if layers else "reference"
+  # the drafter's own format: reference (MLX, TensorRT-LLM) unless it has an option only ours
+  # holds (several layers, the copy hint)
+  own = {"feature_layers", "copy_ngram"} & {k for k, v in (recipe.drafter or {}).items() if v}
+  export_format = "redrafter-jax" if own else "reference"
   tiny_vocab = 64
   # the head trains train.vocab_limit rows; the rest stay zero and are not brought back
   head_rows = recipe.train.vocab_limit if gpu else tiny_vocab

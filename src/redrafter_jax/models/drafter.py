@@ -11,6 +11,17 @@ Wiring (the reference implementation's code, DESIGN §5), for one beam at draft 
 
 ``E`` is the LLM's input embedding table, passed in (it is not part of the drafter's weights).
 
+Copy hint (``DrafterConfig.copy_ngram`` K > 0, an option beyond the reference): each step also
+reads ``(c_t, m_t)``, the token that followed the latest earlier occurrence of the longest
+suffix (up to K tokens) of the text so far and that match's length (``context_copy``; m = 0:
+none). It enters the recurrence and, gated, the logits:
+
+  s_t  += copy_w(E(c_t) * [m_t > 0]) + copy_length[m_t]       (inside the SiLU when rnn=True)
+  logit[c_t] += copy_gate(x)[m_t] * [m_t > 0]                  (x: the head's input)
+
+All three start at zero, so a drafter given the option starts as the one without it; training
+learns how far to trust a match of each length.
+
 Multi-layer features (``DrafterConfig.feature_layers``, an option beyond the reference, after
 EAGLE-3): the LLM hands over the outputs of several decoder layers, each through its final norm,
 concatenated (``[.., k*D]``, see ``Llama.forward_layers``); ``context`` projects them to D with
@@ -37,6 +48,7 @@ from flax import nnx
 
 from redrafter_jax.config import DrafterConfig
 from redrafter_jax.models.bf16_matmul import bf16_dot_general
+from redrafter_jax.models.context_copy import CopyHint
 
 REFERENCE_CUT_VALUE = -5e4
 
@@ -83,6 +95,14 @@ class Drafter(nnx.Module):
     if cfg.rnn:
       self.rnn_u = lin(D, D, True)
       self.rnn_w = lin(D, D, False)
+    if cfg.copy_ngram:
+      K = cfg.copy_ngram
+      zeros = nnx.initializers.zeros_init()
+      self.copy_w = nnx.Linear(D, D, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                               kernel_init=zeros, dot_general=dot)
+      self.copy_length = nnx.Param(jnp.zeros((K + 1, D), dtype))
+      self.copy_gate = nnx.Linear(C, K + 1, use_bias=True, dtype=dtype, param_dtype=dtype,
+                                  rngs=rngs, kernel_init=zeros, dot_general=dot)
     self.token_ranking = TokenRanking(jnp.arange(V, dtype=jnp.int32))
     # Set by ``restrict_vocab``: the token id of each output row.
     self.vocab_ids = nnx.data(None)
@@ -101,35 +121,75 @@ class Drafter(nnx.Module):
   def init_state(self, h_xD: jax.Array) -> jax.Array:
     return jnp.zeros_like(h_xD, self.dtype)
 
-  def recur(self, s_xD: jax.Array, prev_emb_xD: jax.Array) -> jax.Array:
-    """Advance the recurrent state by one token (its embedding ``prev_emb``)."""
-    if self.config.rnn:
-      return jax.nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD))
-    return prev_emb_xD.astype(s_xD.dtype) + s_xD
+  def _check_hint(self, hint: CopyHint | None, embed_VD) -> bool:
+    """Whether this step reads a hint (the config says; one must then be given)."""
+    if not self.config.copy_ngram:
+      return False
+    if hint is None or embed_VD is None:
+      raise ValueError(f"a drafter with copy_ngram={self.config.copy_ngram} needs the copy hint "
+                       "and the embedding table at every step (the context it copies from)")
+    return True
 
-  def logits(self, h_xD: jax.Array, s_xD: jax.Array) -> jax.Array:
-    """Unnormalised vocabulary logits (float32) from the LLM hidden state and drafter state."""
+  def recur(self, s_xD: jax.Array, prev_emb_xD: jax.Array, hint: CopyHint | None = None,
+            embed_VD: jax.Array | None = None) -> jax.Array:
+    """Advance the recurrent state by one token (its embedding ``prev_emb``) and, with
+    ``copy_ngram``, the copy hint (whose token is embedded from ``embed_VD``)."""
+    extra_xD = 0.0
+    if self._check_hint(hint, embed_VD):
+      on_x1 = (hint.length_x > 0)[..., None]
+      emb_xD = jnp.take(embed_VD, hint.token_x, axis=0).astype(self.dtype) * on_x1
+      extra_xD = self.copy_w(emb_xD) + self.copy_length[...][hint.length_x]
+    if self.config.rnn:
+      return jax.nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD) + extra_xD)
+    return prev_emb_xD.astype(s_xD.dtype) + s_xD + extra_xD
+
+  def copy_row(self, token_x: jax.Array) -> jax.Array:
+    """The output row of each token (-1 where the restricted draft vocabulary lacks it)."""
+    if self.vocab_ids is None:
+      return token_x
+    ids_R = self.vocab_ids[...]
+    row_of_V = jnp.full((self.config.vocab_size,), -1, jnp.int32).at[ids_R].set(
+        jnp.arange(ids_R.shape[0], dtype=jnp.int32))
+    return row_of_V[token_x]
+
+  def logits(self, h_xD: jax.Array, s_xD: jax.Array, hint: CopyHint | None = None) -> jax.Array:
+    """Unnormalised vocabulary logits (float32) from the LLM hidden state and drafter state
+    (and, with ``copy_ngram``, the copy hint's gated boost)."""
     x = jnp.concatenate([h_xD.astype(self.dtype), s_xD.astype(self.dtype)], axis=-1)
     if self.config.has_input_proj:
       x = self.input_proj(x)
-    for layer in self.lm_head:
-      x = layer(x)
-    return x.astype(jnp.float32)
+    *blocks, head = list(self.lm_head)
+    for block in blocks:
+      x = block(x)
+    logits_xV = head(x).astype(jnp.float32)
+    if not self.config.copy_ngram:
+      return logits_xV
+    if hint is None:
+      raise ValueError(f"a drafter with copy_ngram={self.config.copy_ngram} needs the copy hint")
+    gate_x = jnp.take_along_axis(self.copy_gate(x).astype(jnp.float32),
+                                 hint.length_x[..., None], axis=-1)[..., 0]
+    row_x = self.copy_row(hint.token_x)
+    gate_x = jnp.where((hint.length_x > 0) & (row_x >= 0), gate_x, 0.0)
+    V = logits_xV.shape[-1]
+    at_xV = jnp.arange(V).reshape((1,) * row_x.ndim + (V,)) == row_x[..., None]
+    return logits_xV + jnp.where(at_xV, gate_x[..., None], 0.0)
 
-  def log_probs(self, h_xD, s_xD) -> jax.Array:
-    logits_xV = self.logits(h_xD, s_xD)
+  def log_probs(self, h_xD, s_xD, hint: CopyHint | None = None) -> jax.Array:
+    logits_xV = self.logits(h_xD, s_xD, hint)
     if self.config.logit_top_k is not None:
       logits_xV = reference_top_k_cut(logits_xV, self.config.logit_top_k)
     return jax.nn.log_softmax(logits_xV, axis=-1)
 
-  def step(self, h_xD, s_xD, prev_emb_xD):
-    """One draft step: ``(log_probs_xV, new_state_xD)``."""
-    s_xD = self.recur(s_xD, prev_emb_xD)
-    return self.log_probs(h_xD, s_xD), s_xD
+  def step(self, h_xD, s_xD, prev_emb_xD, hint: CopyHint | None = None, embed_VD=None):
+    """One draft step: ``(log_probs_xV, new_state_xD)``. ``hint`` (with ``embed_VD``): the copy
+    hint at the token just read, for a drafter with ``copy_ngram``."""
+    s_xD = self.recur(s_xD, prev_emb_xD, hint, embed_VD)
+    return self.log_probs(h_xD, s_xD, hint), s_xD
 
   def unroll_logits(self, h_xD: jax.Array, prev_emb_xnD: jax.Array,
                     own_xn: jax.Array | None = None,
-                    embed_VD: jax.Array | None = None) -> jax.Array:
+                    embed_VD: jax.Array | None = None,
+                    hint_xn: CopyHint | None = None) -> jax.Array:
     """Teacher-forced logits for n steps: step i sees the embeddings of tokens 1..i.
 
     ``prev_emb_xnD[..., i, :]`` is the embedding of the token before draft step i (g0 first).
@@ -139,7 +199,12 @@ class Drafter(nnx.Module):
     ``own_xn`` (bool; training-time test): where set at step i > 0, the step reads the
     embedding (from ``embed_VD``) of this drafter's own argmax at step i-1 instead of
     ``prev_emb``, as beam search's best beam does; the choice itself carries no gradient.
+    ``hint_xn`` (with ``embed_VD``; a drafter with ``copy_ngram``): each step's copy hint
+    (``context_copy.teacher_forced_hints``).
     """
+    if own_xn is not None and self.config.copy_ngram:
+      raise ValueError("the training-time test (self_feed) cannot be combined with copy_ngram: "
+                       "the copy hints are those of the data tokens")
     s_xD = self.init_state(h_xD)
     out = []
     for i in range(prev_emb_xnD.shape[-2]):
@@ -149,8 +214,9 @@ class Drafter(nnx.Module):
         tok_x = row_x if self.vocab_ids is None else self.vocab_ids[...][row_x]
         own_emb_xD = jax.lax.stop_gradient(jnp.take(embed_VD, tok_x, axis=0))
         prev_xD = jnp.where(own_xn[..., i, None], own_emb_xD.astype(prev_xD.dtype), prev_xD)
-      s_xD = self.recur(s_xD, prev_xD)
-      out.append(self.logits(h_xD, s_xD))
+      hint = None if hint_xn is None else jax.tree.map(lambda a: a[..., i], hint_xn)
+      s_xD = self.recur(s_xD, prev_xD, hint, embed_VD)
+      out.append(self.logits(h_xD, s_xD, hint))
     return jnp.stack(out, axis=-2)
 
 

@@ -27,6 +27,9 @@ packing) or pad each to ``seq_len``, batch to the GLOBAL batch, and keep this pr
 Every process therefore walks the same global sequence of batches, so a run's batches do not
 depend on how many processes or devices share them, and the iterator state (grain's, saved in
 checkpoints) is the same on every process.
+
+The trainer's held-out set is not drawn that way: ``held_out_batches`` packs every greedy answer
+of the held-out shards, in a fixed order, into the same batches whatever the seed.
 """
 
 from __future__ import annotations
@@ -269,24 +272,18 @@ def _rows(batch: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, n
           if name in batch}
 
 
-def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
-                 pack: bool = True, rows: tuple[int, int] | None = None,
-                 vocab_size: int | None = None, packing_bins: int | None = None,
-                 holdout: int = 0, part: str = "train", first: int = 0, features=None,
-                 hidden_size: int | None = None, feature_layers: tuple[int, ...] = (),
-                 num_layers: int | None = None) -> grain.IterDataset:
-  """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
-
-  ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
-  ``folder`` is one data folder or several; ``holdout`` / ``part`` / ``first`` pick the
-  shards (``shard_paths``). ``features``: a features folder per data folder (``features.py``; made
-  for this ``seq_len``, ``hidden_size`` and ``feature_layers``; ``num_layers``, the LLM's, lets
-  a drafter read the last layer from any folder): batches then hold ``hidden`` too. The batches
-  are otherwise the same, in the same order.
-  """
+def _check_rows(rows: tuple[int, int] | None, global_batch: int) -> tuple[int, int]:
   start, stop = rows if rows is not None else (0, global_batch)
   if not 0 <= start < stop <= global_batch:
     raise DataError(f"rows {rows} are not a slice of the global batch of {global_batch}")
+  return start, stop
+
+
+def _source(folder, *, seq_len: int, holdout: int, part: str, first: int, features,
+            hidden_size: int | None, feature_layers: tuple[int, ...],
+            num_layers: int | None) -> ShardSource:
+  """The records of ``folder``'s selected shards (``shard_paths``), with their states from
+  ``features`` when given (``make_dataset``'s arguments)."""
   paths = shard_paths(folder, holdout=holdout, part=part, first=first)
   hidden_paths = hidden_columns = None
   if features is not None:
@@ -306,6 +303,28 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
   source = ShardSource(paths, hidden_paths, seq_len, hidden_columns)
   if len(source) == 0:
     raise DataError(f"{', '.join(map(str, folders(folder)))}: the shards hold no records")
+  return source
+
+
+def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
+                 pack: bool = True, rows: tuple[int, int] | None = None,
+                 vocab_size: int | None = None, packing_bins: int | None = None,
+                 holdout: int = 0, part: str = "train", first: int = 0, features=None,
+                 hidden_size: int | None = None, feature_layers: tuple[int, ...] = (),
+                 num_layers: int | None = None) -> grain.IterDataset:
+  """An endless, deterministic ``IterDataset`` of rows ``[start, stop)`` of each global batch.
+
+  ``rows`` is this process's part of the batch (``sharding.process_rows``); None means all.
+  ``folder`` is one data folder or several; ``holdout`` / ``part`` / ``first`` pick the
+  shards (``shard_paths``). ``features``: a features folder per data folder (``features.py``; made
+  for this ``seq_len``, ``hidden_size`` and ``feature_layers``; ``num_layers``, the LLM's, lets
+  a drafter read the last layer from any folder): batches then hold ``hidden`` too. The batches
+  are otherwise the same, in the same order.
+  """
+  start, stop = _check_rows(rows, global_batch)
+  source = _source(folder, seq_len=seq_len, holdout=holdout, part=part, first=first,
+                   features=features, hidden_size=hidden_size, feature_layers=feature_layers,
+                   num_layers=num_layers)
   # repeat() after shuffle() reseeds the shuffle every epoch (grain's documented behaviour).
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
   ds = ds.map(lambda rec: _truncate(rec, seq_len, vocab_size))
@@ -325,3 +344,98 @@ def make_dataset(folder, *, seq_len: int, global_batch: int, seed: int,
 def make_iterator(folder, **kwargs) -> Iterator[dict[str, np.ndarray]]:
   """A checkpointable iterator (``get_state()`` / ``set_state()``) over ``make_dataset``."""
   return iter(make_dataset(folder, **kwargs))
+
+
+def first_fit_rows(lengths_N: Sequence[int], seq_len: int) -> list[list[int]]:
+  """Which items share a row: each item, in order, goes into the first row with room for it (a
+  new row where none has). Every length must be at most ``seq_len``."""
+  members, room = [], []
+  for i, n in enumerate(lengths_N):
+    if not 0 <= n <= seq_len:
+      raise DataError(f"item {i} has length {n}, which a row of {seq_len} cannot hold")
+    r = next((r for r, free in enumerate(room) if n <= free), None)
+    if r is None:
+      members.append([])
+      room.append(seq_len)
+      r = len(room) - 1
+    members[r].append(i)
+    room[r] -= n
+  return members
+
+
+def _packed_row(recs: Sequence[Mapping[str, np.ndarray]], seq_len: int,
+                hidden_like: np.ndarray | None) -> dict[str, np.ndarray]:
+  """One row of ``seq_len`` holding ``recs`` (``_truncate``'s) one after the other, as packed
+  training rows hold them (segments 1, 2, ..., each with positions from 0), then padding;
+  with ``hidden_like`` (some record's states: their columns and dtype) their states too."""
+  row = {"tokens": np.zeros((seq_len,), np.int32), "loss_mask": np.zeros((seq_len,), np.int32),
+         "segment_ids": np.zeros((seq_len,), np.int32),
+         "positions": np.zeros((seq_len,), np.int32)}
+  if hidden_like is not None:
+    row["hidden"] = np.zeros((seq_len,) + hidden_like.shape[1:], hidden_like.dtype)
+  at = 0
+  for k, rec in enumerate(recs):
+    n = rec["tokens"].size
+    row["tokens"][at:at + n] = rec["tokens"]
+    row["loss_mask"][at:at + n] = rec["loss_mask"]
+    row["segment_ids"][at:at + n] = k + 1
+    row["positions"][at:at + n] = np.arange(n)
+    if hidden_like is not None:
+      row["hidden"][at:at + n] = rec["hidden"]
+    at += n
+  return row
+
+
+def held_out_batches(folder, *, seq_len: int, global_batch: int, holdout: int,
+                     rows: tuple[int, int] | None = None, vocab_size: int | None = None,
+                     pack: bool = True, first: int = 0, features=None,
+                     hidden_size: int | None = None, feature_layers: tuple[int, ...] = (),
+                     num_layers: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+  """The trainer's held-out set, in fixed batches: every greedy answer of the held-out shards
+  (``part="eval"``; ``eval_set.greedy_indices``), windowed as training rows are (``window``),
+  packed first-fit into rows of ``seq_len``, longest first (ties in shard and record order;
+  with ``pack=False`` one answer per row, in record order), and cut into global batches, the
+  last one filled up with empty rows (no targets). No seed enters, so every run, seed and
+  process count scores the same positions.
+
+  Args:
+    folder, seq_len, global_batch, rows, vocab_size, first, features, hidden_size,
+      feature_layers, num_layers: as ``make_dataset``'s (``rows``: this process's rows of each
+      global batch).
+    holdout: how many of each folder's last shards are held out (at least 1).
+    pack: pack several answers per row (else one answer per row).
+
+  Returns:
+    An iterator over the batches (``FIELDS``, and ``hidden`` with ``features``), each built as it
+    is read, so that at most one batch of stored states is in memory.
+
+  Raises:
+    DataError: the held-out shards hold no greedy answer, or the usual data errors.
+  """
+  from redrafter_jax.training.eval_set import greedy_indices
+
+  start, stop = _check_rows(rows, global_batch)
+  source = _source(folder, seq_len=seq_len, holdout=holdout, part="eval", first=first,
+                   features=features, hidden_size=hidden_size, feature_layers=feature_layers,
+                   num_layers=num_layers)
+  picked = greedy_indices(source._records)
+  if not picked:
+    raise DataError(f"{', '.join(map(str, folders(folder)))}: the held-out shards hold no "
+                    "greedy answer to evaluate on")
+  lengths = window_lengths([source._records[i] for i in picked], seq_len)
+  if pack:  # longest first: first-fit then fills rows better (fewer batches to score)
+    order = np.argsort(-lengths, kind="stable")
+    members = [[int(order[k]) for k in row] for row in first_fit_rows(lengths[order], seq_len)]
+  else:
+    members = [[k] for k in range(len(picked))]
+  members += [[]] * (-len(members) % global_batch)
+  hidden_like = source[picked[0]]["hidden"][:0] if features is not None else None
+
+  def batches():
+    for b in range(0, len(members), global_batch):
+      recs = [[_truncate(source[picked[k]], seq_len, vocab_size) for k in members[r]]
+              for r in range(b + start, b + stop)]
+      rows_ = [_packed_row(rs, seq_len, hidden_like) for rs in recs]
+      yield {name: np.stack([r[name] for r in rows_]) for name in rows_[0]}
+
+  return batches()

@@ -1,6 +1,6 @@
 """Growing a continued drafter (``train.init_drafter``) into the one a preset asks for.
 
-Two changes are allowed, alone or together, and each gives a drafter that starts as the one it
+Three changes are allowed, alone or together, and each gives a drafter that starts as the one it
 continues: the same logits for every input, so a continued run's first held-out score is that
 drafter's own and training learns only what the new capacity adds.
 
@@ -11,6 +11,8 @@ drafter's own and training learns only what the new capacity adds.
   carry signal from the first step and receive gradients), and zeros everywhere they would reach
   the old channels or the logits: the ResBlocks' new rows and columns and the head's new rows.
   A ResBlock adds ``SiLU(0) = 0`` to a new channel, so the logits are the old drafter's.
+- ``copy_ngram``: a drafter without the copy hint gains it. The hint's weights start at zero
+  (``Drafter``), so the grown drafter ignores the hint until training teaches it to read it.
 
 Any other difference is an error, not a silently ignored field.
 """
@@ -32,7 +34,7 @@ def grow_as_asked(drafter: Drafter, asked: DrafterConfig, named: set[str], *, la
   it, grown where the module docstring allows. ``source`` names the drafter in errors."""
   got = drafter.config
   differ = sorted(k for k in named if getattr(asked, k) != getattr(got, k))
-  growable = {"feature_layers", "exit_dim"}
+  growable = {"feature_layers", "exit_dim", "copy_ngram"}
   if set(differ) - growable:
     said = ", ".join(f"{k}={getattr(got, k)!r} (the preset's drafter.{k}: {getattr(asked, k)!r})"
                      for k in differ)
@@ -43,7 +45,21 @@ def grow_as_asked(drafter: Drafter, asked: DrafterConfig, named: set[str], *, la
                                    seed=seed, source=source)
   if "exit_dim" in differ:
     drafter = _widen(drafter, asked.exit_dim, seed=seed, source=source)
+  if "copy_ngram" in differ:
+    drafter = _add_copy_hint(drafter, asked.copy_ngram, seed=seed, source=source)
   return drafter
+
+
+def _add_copy_hint(drafter: Drafter, copy_ngram: int, *, seed: int, source: str) -> Drafter:
+  got = drafter.config
+  if got.copy_ngram or not copy_ngram:
+    raise ConfigError(f"train.init_drafter {source} has copy_ngram={got.copy_ngram}; only a "
+                      f"drafter without the copy hint grows one (asked: {copy_ngram})")
+  grown = Drafter(dataclasses.replace(got, copy_ngram=copy_ngram), dtype=drafter.dtype,
+                  rngs=nnx.Rngs(seed))
+  nnx.update(grown, nnx.state(drafter))
+  grown.vocab_ids = drafter.vocab_ids
+  return grown
 
 
 def _grow_feature_layers(drafter: Drafter, layers: tuple[int, ...], *, last_layer: int,

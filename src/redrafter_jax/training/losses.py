@@ -31,6 +31,10 @@ cross-entropy against the LLM's argmax; the later terms reward ordering the runn
 LLM does, which is what the W children of a beam-search node need. Added per step with weight
 ``rank_weight`` (and the step weights).
 
+Copy hint (``DrafterConfig.copy_ngram``): step i at position t reads the hint at token t+1+i
+over the row's tokens so far, within its packed sequence (``context_copy.teacher_forced_hints``),
+as decoding's beam search reads it at the same tokens.
+
 Memory: logits ``[B, T, n, V]`` at V=49152 would be GBs. The positions are cut into chunks of
 ``chunk`` and a ``lax.scan`` over chunks computes each chunk's logits inside ``jax.checkpoint``,
 so only one chunk's ``[B, chunk, n, V]`` logits (and their gradient) are alive at a time; the
@@ -45,6 +49,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from redrafter_jax.models.context_copy import CopyHint, teacher_forced_hints
 from redrafter_jax.models.drafter import Drafter
 
 
@@ -105,7 +110,7 @@ def plackett_luce_nll(logits_xV: jax.Array, ranked_xK: jax.Array) -> jax.Array:
 
 
 def _chunk_sums(drafter, soft, embed_VD, ctx_BPX, prev_emb_BPnD, targets_BPn, weights_BPn,
-                ce_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK):
+                ce_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK, hint_tok_BPn, hint_len_BPn):
   """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits, ranking loss (each
   ``[n]``).
 
@@ -113,9 +118,10 @@ def _chunk_sums(drafter, soft, embed_VD, ctx_BPX, prev_emb_BPnD, targets_BPn, we
   (accuracies), ``ce_weights`` for those the cross-entropy skips. With ``soft`` the
   cross-entropy is against the LLM's distributions ``teacher_p`` over the same rows. ``own``
   (or None): steps that read the drafter's own previous argmax; ``ranked`` (K may be 0): the
-  LLM's top-K rows for the ranking loss."""
+  LLM's top-K rows for the ranking loss; ``hint_*`` (or None): the copy hints."""
   h_BPD = drafter.context(ctx_BPX)
-  logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD, own_BPn, embed_VD)
+  hint = None if hint_tok_BPn is None else CopyHint(hint_tok_BPn, hint_len_BPn)
+  logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD, own_BPn, embed_VD, hint)
   logz_BPn = jax.nn.logsumexp(logits_BPnV, axis=-1)
   target_logit_BPn = jnp.take_along_axis(logits_BPnV, targets_BPn[..., None], axis=-1)[..., 0]
   rank_BPn = jnp.sum(logits_BPnV > target_logit_BPn[..., None], axis=-1)
@@ -210,6 +216,10 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
       raise ValueError("self_feed needs rng")
     own_BTn = jax.random.bernoulli(rng, self_feed, (B, T, n)).at[:, :, 0].set(False)
   context_BTX = hidden_BTD if context_BTX is None else jax.lax.stop_gradient(context_BTX)
+  hint_BTn = CopyHint(None, None)
+  copy_ngram = drafter_of(drafter_params).config.copy_ngram
+  if copy_ngram:
+    hint_BTn = teacher_forced_hints(tokens_BT, n, max_ngram=copy_ngram, segment_BT=segment_ids_BT)
   if vocab_ids_R is not None:
     targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_R,
                                                    embedding_VD.shape[0])
@@ -234,7 +244,8 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   zeros_n = jnp.zeros((n,), jnp.float32)
   xs = tuple(None if x is None else chunked(x)
              for x in (context_BTX, prev_emb_BTnD, targets_BTn, weights_BTn, ce_weights_BTn,
-                       teacher_p_BTnV, own_BTn, ranked_BTnK))
+                       teacher_p_BTnV, own_BTn, ranked_BTnK, hint_BTn.token_x,
+                       hint_BTn.length_x))
   (ce_n, top1_n, top5_n, rank_sum_n), _ = jax.lax.scan(body, (zeros_n,) * 4, xs)
   scored_n = jnp.sum(weights_BTn, axis=(0, 1))
   denom_n = jnp.maximum(count_n, 1.0)

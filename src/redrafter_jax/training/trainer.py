@@ -34,6 +34,13 @@ where the count grew): stretching the rest of the old schedule instead kept the 
 continuous, but a late re-fit that extended the count then ran its added steps at the tail's
 near-zero rates. Each re-fit is recorded in ``schedule.json`` too.
 
+Held-out evaluation (``train.eval_shards``; every ``eval_every`` steps and at the end, to
+``eval.csv``) scores every greedy answer of the held-out shards, packed in a fixed order into
+fixed batches (``data.held_out_batches``): no seed and no iterator state enters, so every run and
+seed of a preset scores the same positions, and a run holding out mix-v1's ``shard-00062``
+scores the committed ``heldout`` evaluation set's answers (``eval_set``). ``train.eval_batches``
+is not read (presets still carry it).
+
 Outputs in ``train.output_dir``: ``checkpoints/``, ``metrics.csv``, TensorBoard events in
 ``tb/``, ``curves.png``, ``drafter/`` (and ``schedule.json`` for a time-boxed run).
 """
@@ -612,12 +619,15 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
   if cfg.eval_shards:
     eval_fn = jax.jit(functools.partial(_eval_step, loss_spec), out_shardings=repl)
 
+    held_out = {k: v for k, v in data_kwargs.items() if k != "seed"}
+    data_lib.held_out_batches(cfg.data, **held_out)  # fails on a bad held-out set now
+
     def evaluate(step, params):
-      # The same eval_batches batches every time: a fresh iterator over the held-out shards.
-      it = data_lib.make_iterator(cfg.data, **dict(data_kwargs, part="eval"))
+      # Every greedy answer of the held-out shards, in the same fixed batches every time
+      # (``data.held_out_batches``): no seed enters, so every run scores the same positions.
       return _eval_row(step, [eval_fn(llm_state, params,
-                                      sh.shard_batch(next(it), mesh, cfg.batch_size))
-                              for _ in range(cfg.eval_batches)])
+                                      sh.shard_batch(batch, mesh, cfg.batch_size))
+                              for batch in data_lib.held_out_batches(cfg.data, **held_out)])
 
   metrics_log = MetricsLog(out_dir, start_step=start, enabled=is_main)
   eval_log = MetricsLog(out_dir, start_step=start, enabled=is_main and evaluate is not None,
@@ -692,9 +702,10 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
       if export:
         from redrafter_jax.weights.drafter_io import save_drafter
 
-        drafter_dir = save_drafter(merge(jax.tree.map(jnp.asarray, host_params)),
-                                   out_dir / "drafter", overwrite=True,
-                                   format="redrafter-jax" if feature_layers else "reference")
+        final = merge(jax.tree.map(jnp.asarray, host_params))
+        drafter_dir = save_drafter(final, out_dir / "drafter", overwrite=True,
+                                   format="redrafter-jax" if final.config.own_options
+                                   else "reference")
   ckpt.close()
   metrics_log.close()
   eval_log.close()

@@ -19,10 +19,11 @@ A drafter folder holds ``config.json`` and one unsharded safetensors file in PyT
                    checkpoint skips the base model's tensors.
 
 Our own format, ``redrafter-jax``, holds what the others cannot: the reference's tensors and
-fields plus a multi-layer drafter's ``feature_proj.weight`` ``[D, k*D]`` and ``feature_layers``
+fields plus a multi-layer drafter's ``feature_proj.weight`` ``[D, k*D]`` and ``feature_layers``,
+and the copy hint's ``copy_w.weight``, ``copy_length.weight``, ``copy_gate.*`` and ``copy_ngram``
 in config.json, under ``model_type: "redrafter_jax_drafter"`` (so Apple's loader, which would
-silently ignore both, refuses the folder instead). The reference, MLX and TensorRT-LLM exports
-refuse a drafter with ``feature_layers``, naming the field.
+silently ignore them, refuses the folder instead). The reference, MLX and TensorRT-LLM exports
+refuse a drafter with either option, naming the field.
 
 Our own variant of the reference layout, a compact head (``head_rows`` in config.json, see
 ``save_drafter``), stores only the draft vocabulary's head rows; it reads back as the full drafter.
@@ -115,7 +116,11 @@ def name_table(layout: str, num_draft_layers: int) -> NameTable:
   if layout == "redrafter-jax":
     table = _table("redrafter-jax", layers="lm_head", proj=("input_proj",))
     return NameTable(table.name, [*table.rules,
-                                  Rule("feature_proj.kernel", "feature_proj.weight", True)])
+                                  Rule("feature_proj.kernel", "feature_proj.weight", True),
+                                  Rule("copy_w.kernel", "copy_w.weight", True),
+                                  Rule("copy_length", "copy_length.weight"),
+                                  Rule("copy_gate.kernel", "copy_gate.weight", True),
+                                  Rule("copy_gate.bias", "copy_gate.bias")])
   if layout == "trtllm":
     return _table("trtllm", layers="layers", proj=("input_proj",), head="lm_head",
                   n=num_draft_layers, prefix="drafter.")
@@ -151,6 +156,8 @@ def _config_json(cfg: DrafterConfig, fmt: str, dtype: str) -> dict[str, Any]:
     out.pop("logit_top_k", None)
   if fmt == "redrafter-jax":
     out.update(model_type=OWN_MODEL_TYPE, feature_layers=list(cfg.feature_layers))
+    if cfg.copy_ngram:
+      out["copy_ngram"] = cfg.copy_ngram
   return out
 
 
@@ -200,10 +207,11 @@ def save_drafter(drafter: Drafter, out_dir, *, format: str = "reference", dtype:
   if format not in FORMATS:
     raise ConfigError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
   cfg = drafter.config
-  if cfg.feature_layers and format != "redrafter-jax":
-    raise ConfigError(f"the {format} format cannot hold drafter.feature_layers="
-                      f"{list(cfg.feature_layers)} (a multi-layer drafter): save it with "
-                      f"format='redrafter-jax'")
+  own = cfg.own_options
+  if own and format != "redrafter-jax":
+    name, value = next(iter(own.items()))
+    raise ConfigError(f"the {format} format cannot hold drafter.{name}={value} (an option "
+                      f"beyond the reference drafter): save it with format='redrafter-jax'")
   if head_rows and format not in ("reference", "redrafter-jax"):
     raise ConfigError(f"a compact head (head_rows) is this library's own variant of the "
                       f"reference layout; the {format} format needs the full head")
@@ -296,9 +304,10 @@ def read_config(folder: pathlib.Path) -> tuple[str, dict[str, Any]]:
   model_type = raw.get("model_type", MODEL_TYPE)
   if model_type == OWN_MODEL_TYPE:
     return "redrafter-jax", {k: v for k, v in raw.items() if k not in _REFERENCE_EXTRA_FIELDS}
-  if "feature_layers" in raw:
-    raise ConfigError(f"{path}: feature_layers (a multi-layer drafter) needs model_type "
-                      f"{OWN_MODEL_TYPE!r}, the redrafter-jax format")
+  for own in ("feature_layers", "copy_ngram"):
+    if raw.get(own):
+      raise ConfigError(f"{path}: {own} (an option beyond the reference drafter) needs "
+                        f"model_type {OWN_MODEL_TYPE!r}, the redrafter-jax format")
   if model_type != MODEL_TYPE:
     raise WeightsError(f"{path}: model_type {model_type!r} is not a drafter (expected "
                        f"{MODEL_TYPE!r}, or TensorRT-LLM's redrafter_* fields)")
@@ -339,7 +348,7 @@ def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def _describe(cfg: DrafterConfig) -> str:
-  layers = f", feature_layers={list(cfg.feature_layers)}" if cfg.feature_layers else ""
+  layers = "".join(f", {k}={v}" for k, v in cfg.own_options.items())
   return (f"vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, exit_dim={cfg.exit_dim}, "
           f"num_draft_layers={cfg.num_draft_layers}, rnn={cfg.rnn}{layers}")
 

@@ -14,7 +14,10 @@ search as ``redrafter_jax.inference.beam_search`` (DESIGN §5):
 A multi-layer drafter (``feature_layers``, the ``redrafter-jax`` format: the reference's tensors
 plus ``feature_proj.weight``) loads and runs too: ``beam_search`` then takes the LLM's
 concatenated layer states ``[B, k*D]`` and projects them first, as ``Drafter.context`` does.
-Apple's own MLX code cannot run it (it has no ``feature_proj``).
+Apple's own MLX code cannot run it (it has no ``feature_proj``). So does a drafter with the copy
+hint (``copy_ngram``): ``beam_search`` then also takes the committed tokens and their lengths,
+and finds each beam's hint over them and the beam's own drafted tokens (``copy_hint``, NumPy, by
+the rule of ``models/context_copy.py``).
 
 Ties in the top-W are broken arbitrarily (MLX's partition), unlike ``lax.top_k``'s lowest index.
 ``mlx`` is imported inside functions, so the package imports without it (``pip install
@@ -83,6 +86,10 @@ def _drafter_class():
         self.rnn_w = nn.Linear(D, D, bias=False)
       if cfg.feature_layers:
         self.feature_proj = nn.Linear(cfg.context_width, D, bias=False)
+      if cfg.copy_ngram:
+        self.copy_w = nn.Linear(D, D, bias=False)
+        self.copy_length = nn.Embedding(cfg.copy_ngram + 1, D)
+        self.copy_gate = nn.Linear(C, cfg.copy_ngram + 1, bias=True)
 
     @property
     def dtype(self):
@@ -97,22 +104,36 @@ def _drafter_class():
         return feats_xX
       return self.feature_proj(feats_xX.astype(self.dtype))
 
-    def recur(self, s_xD, prev_emb_xD):
+    def recur(self, s_xD, prev_emb_xD, hint=None):
+      """``hint``: ``(token_x, length_x, embedding of token_x)`` for a copy-hint drafter."""
       prev_emb_xD = prev_emb_xD.astype(self.dtype)
+      extra = 0.0
+      if self.config.copy_ngram:
+        token_x, length_x, emb_xD = hint
+        on_x1 = (length_x > 0)[..., None].astype(self.dtype)
+        extra = self.copy_w(emb_xD.astype(self.dtype) * on_x1) + self.copy_length(length_x)
       if self.config.rnn:
-        return nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD.astype(self.dtype)))
-      return prev_emb_xD + s_xD.astype(self.dtype)
+        return nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD.astype(self.dtype)) + extra)
+      return prev_emb_xD + s_xD.astype(self.dtype) + extra
 
-    def logits(self, h_xD, s_xD):
+    def logits(self, h_xD, s_xD, hint=None):
       x = mx.concatenate([h_xD.astype(self.dtype), s_xD.astype(self.dtype)], axis=-1)
       if self.config.has_input_proj:
         x = self.input_proj(x)
-      for layer in self.lm_head:
+      for layer in self.lm_head[:-1]:
         x = layer(x)
-      return x.astype(mx.float32)
+      logits_xV = self.lm_head[-1](x).astype(mx.float32)
+      if not self.config.copy_ngram:
+        return logits_xV
+      token_x, length_x, _ = hint
+      gate_x = mx.take_along_axis(self.copy_gate(x).astype(mx.float32), length_x[..., None],
+                                  axis=-1)[..., 0]
+      gate_x = mx.where(length_x > 0, gate_x, 0.0)
+      at_xV = mx.arange(logits_xV.shape[-1]) == token_x[..., None]
+      return logits_xV + mx.where(at_xV, gate_x[..., None], 0.0)
 
-    def log_probs(self, h_xD, s_xD):
-      logits_xV = self.logits(h_xD, s_xD)
+    def log_probs(self, h_xD, s_xD, hint=None):
+      logits_xV = self.logits(h_xD, s_xD, hint)
       k = self.config.logit_top_k
       if k is not None:
         # The reference's cut: subtract the row max, keep the top-k, the rest to -5e4.
@@ -122,10 +143,10 @@ def _drafter_class():
         logits_xV = mx.where(logits_xV >= kth_x1, logits_xV, REFERENCE_CUT_VALUE)
       return logits_xV - mx.logsumexp(logits_xV, axis=-1, keepdims=True)
 
-    def step(self, h_xD, s_xD, prev_emb_xD):
+    def step(self, h_xD, s_xD, prev_emb_xD, hint=None):
       """One draft step: ``(log_probs_xV, new_state_xD)``."""
-      s_xD = self.recur(s_xD, prev_emb_xD)
-      return self.log_probs(h_xD, s_xD), s_xD
+      s_xD = self.recur(s_xD, prev_emb_xD, hint)
+      return self.log_probs(h_xD, s_xD, hint), s_xD
 
   return MLXDrafter
 
@@ -183,16 +204,40 @@ class MLXBeamOutput:
   score_BW: object  # float32, beam scores (sum of logp_BWJ, no length normalisation)
 
 
+def copy_hint(text, q: int, max_ngram: int) -> tuple[int, int]:
+  """``(token, match length)``: the token after the latest earlier occurrence of the longest
+  suffix (<= ``max_ngram``) of ``text[:q + 1]``; ``(0, 0)`` where ``text[q]`` never occurred
+  before (``models/context_copy.py``'s rule, for one query)."""
+  seq = np.asarray(text[:q + 1])
+  length_e = np.zeros(q, np.int64)
+  alive_e = np.ones(q, bool)
+  for k in range(min(max_ngram, q + 1)):
+    e = np.arange(q)
+    ok = alive_e & (e - k >= 0)
+    ok[ok] = seq[e[ok] - k] == seq[q - k]
+    alive_e = ok
+    length_e += alive_e
+  if q == 0 or length_e.max() == 0:
+    return 0, 0
+  best = max(range(q), key=lambda e: (length_e[e], e))
+  return int(seq[best + 1]), int(length_e[best])
+
+
 def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
-                beam_length: int) -> MLXBeamOutput:
+                beam_length: int, context_BS=None, length_B=None) -> MLXBeamOutput:
   """Draft ``beam_width`` beams of ``beam_length`` tokens (g0 included) with MLX ops.
 
   ``embed_VD`` is the LLM's input embedding table, ``h_BD`` its last hidden state (after the
   final norm; for a drafter with ``feature_layers``, its concatenated layer states ``[B, k*D]``)
-  and ``g0_B`` the token it chose; arrays may be NumPy or MLX.
+  and ``g0_B`` the token it chose; arrays may be NumPy or MLX. A drafter with ``copy_ngram``
+  also needs ``context_BS`` (NumPy, the committed tokens with g0 at ``length_B``).
   """
   mx, _ = _mlx()
   W, L = beam_width, beam_length
+  K = drafter.config.copy_ngram
+  if K and (context_BS is None or length_B is None):
+    raise ValueError(f"a drafter with copy_ngram={K} drafts from the context: pass context_BS "
+                     "and length_B")
   if W < 1 or L < 2:
     raise ValueError(f"need beam_width >= 1 and beam_length >= 2, got {W}, {L}")
   embed_VD, h_BD = mx.array(embed_VD), mx.array(h_BD)
@@ -212,8 +257,17 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
   beams_BWl = mx.broadcast_to(g0_B[:, None, None], (B, W, 1))
   logp_BWl = mx.zeros((B, W, 0), mx.float32)
   s_BWD = drafter.init_state(h_BWD)
-  for _ in range(L - 1):
-    logp_BWV, s_BWD = drafter.step(h_BWD, s_BWD, mx.take(embed_VD, beams_BWl[..., -1], axis=0))
+  for t in range(L - 1):
+    hint = None
+    if K:
+      beams = np.array(beams_BWl)
+      found = [[copy_hint(list(context_BS[b][:length_B[b] + 1]) + list(beams[b, w, 1:]),
+                          int(length_B[b]) + t, K) for w in range(W)] for b in range(B)]
+      tok_BW = mx.array(np.array([[f[0] for f in row] for row in found], np.int32))
+      len_BW = mx.array(np.array([[f[1] for f in row] for row in found], np.int32))
+      hint = (tok_BW, len_BW, mx.take(embed_VD, tok_BW, axis=0))
+    logp_BWV, s_BWD = drafter.step(h_BWD, s_BWD, mx.take(embed_VD, beams_BWl[..., -1], axis=0),
+                                   hint)
     total_BU = (score_BW[..., None] + logp_BWV).reshape(B, W * V)
     # Top-W of W*V, sorted best first (as lax.top_k returns them).
     top_BW = mx.argpartition(-total_BU, kth=W - 1, axis=-1)[:, :W]
