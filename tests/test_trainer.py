@@ -685,3 +685,24 @@ def test_refit_keeps_the_steps_run_and_places_the_rest_on_the_new_schedule():
 def test_max_seconds_must_be_positive(synthetic, tmp_path, value):
   with pytest.raises(ConfigError, match="train.max_seconds must be a number of seconds > 0"):
     preset(synthetic, tmp_path, max_seconds=value)
+
+
+def test_a_checkpoint_exports_as_the_run_would_and_a_copy_hint_drafter_trains(synthetic,
+                                                                              tmp_path):
+  """``export_checkpoint`` at the last step writes the run's own export, byte for byte, and at
+  an earlier step the drafter of that step; a drafter with the copy hint trains end to end."""
+  from redrafter_jax.weights.drafter_io import load_drafter
+  from redrafter_jax.weights.params import flat_params
+
+  p = preset(synthetic, tmp_path / "run", drafter={"copy_ngram": 2}, num_steps=4,
+             checkpoint_every=2)
+  result = trainer.train(p, progress=False)
+  last = trainer.export_checkpoint(p, tmp_path / "at4", step=4)
+  for name in ("model.safetensors", "config.json", "token_ranking.json"):
+    assert (last / name).read_bytes() == (result.drafter_dir / name).read_bytes(), name
+  assert load_drafter(last).config.copy_ngram == 2
+  early = flat_params(load_drafter(trainer.export_checkpoint(p, tmp_path / "at2", step=2)))
+  assert any(not np.array_equal(np.asarray(early[k]), np.asarray(v))
+             for k, v in flat_params(load_drafter(last)).items())
+  with pytest.raises(ConfigError, match="no checkpoint at step 3"):
+    trainer.export_checkpoint(p, tmp_path / "at3", step=3)

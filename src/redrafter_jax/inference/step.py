@@ -22,7 +22,7 @@ from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import lookup, sampling
 from redrafter_jax.inference import tree as tree_lib
 from redrafter_jax.inference import verify as verify_lib
-from redrafter_jax.inference.beam_search import BeamOutput, beam_search
+from redrafter_jax.inference.beam_search import BeamOutput, beam_search, copy_ngram_of
 from redrafter_jax.inference.runtime import (Output, empty_output, forward_for_drafter, prefill,
                                             record)
 from redrafter_jax.models import kv_cache as kvc
@@ -145,11 +145,13 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig,
     beams = drafter.propose(llm, state, cfg)
   else:
     embed_VD = llm.embed_tokens.embedding[...] if embed_VD is None else embed_VD
+    # A drafter with the copy hint reads the committed context (others need no cache here).
+    context = (dict(context_BS=state.context_BS, length_B=state.cache.lengths_B)
+               if copy_ngram_of(drafter) else {})
     beams = beam_search(drafter, embed_VD, drafter.context(state.h_BD), state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
                         return_full=cfg.acceptance == "reference",
-                        first_k=cfg.first_alternatives, context_BS=state.context_BS,
-                        length_B=state.cache.lengths_B)
+                        first_k=cfg.first_alternatives, **context)
   first = (beams.first_BK, beams.first_logp_BK)
   if cfg.lookup_ngram:
     beams = with_lookup_beam(beams, state, cfg.lookup_ngram)

@@ -60,6 +60,11 @@ class Checkpointer:
     log.info("restored checkpoint %d from %s", step, self.directory)
     return out["state"]
 
+  def restore_params(self, step: int) -> Any:
+    """The drafter's parameters saved at ``step`` (host arrays; no optimizer, no data state)."""
+    out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    return out["state"]["params"]
+
   def close(self) -> None:
     self._manager.close()
 

@@ -713,6 +713,43 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
                      params=host_params, drafter_dir=drafter_dir, eval_history=eval_history)
 
 
+def export_checkpoint(preset: Preset, out, step: int | None = None) -> pathlib.Path:
+  """Write the drafter that a run of ``preset`` saved at ``step`` (None: its latest checkpoint)
+  to the folder ``out``, as the run's own export would at its end (format by its options).
+
+  Args:
+    preset: the run's preset (its ``train.output_dir`` holds the checkpoints).
+    out: the drafter folder to write (replaced if it exists).
+    step: a saved step.
+
+  Returns:
+    The folder written.
+  """
+  from redrafter_jax.weights.drafter_io import save_drafter
+
+  cfg = preset.train
+  ckpt = Checkpointer(pathlib.Path(cfg.output_dir) / "checkpoints", keep=cfg.keep_checkpoints)
+  steps = ckpt.all_steps()
+  step = ckpt.latest_step() if step is None else step
+  if step is None or step not in steps:
+    raise ConfigError(f"{ckpt.directory}: no checkpoint at step {step} (saved: {steps})")
+  check_resumable(ckpt.read_config(step), preset_dict(preset), ckpt.directory)
+  params = ckpt.restore_params(step)
+  ckpt.close()
+  mesh = sh.make_mesh(cfg.mesh_data, cfg.mesh_model)
+  _, _, _, llm_cfg, _ = _frozen_llm(preset, mesh, data_lib.data_vocab_size(cfg.data))
+  merge, _, _, like, _ = _trainable_drafter(preset, llm_cfg)
+  def like_this(saved, want):  # the saved dict's keys are strings where the drafter's are ints
+    if not isinstance(want, dict):
+      return jnp.asarray(saved, want.dtype)
+    return {k: like_this(saved[str(k)] if str(k) in saved else saved[k], v)
+            for k, v in want.items()}
+
+  drafter = merge(like_this(params, like))
+  return save_drafter(drafter, out, overwrite=True,
+                      format="redrafter-jax" if drafter.config.own_options else "reference")
+
+
 def _host_metrics(step: int, metrics) -> dict[str, Any]:
   m = {k: sh.local_value(v) for k, v in metrics.items()}
   row = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
