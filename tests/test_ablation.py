@@ -116,3 +116,16 @@ def test_shipped_ablations_load(path):
   assert "baseline" in ab.variants and ab.variants["baseline"] == {}
   dirs = {ab.preset(n).train.output_dir for n in ab.variants}
   assert len(dirs) == len(ab.variants)
+
+
+def test_paired_by_step_compares_the_steps_both_logged():
+  base = [{"step": str(s), "top1_1": "0.5", "loss": "2.0"} for s in range(1, 6)]
+  other = [{"step": str(s), "top1_1": str(0.5 + 0.01 * s), "loss": "1.5"} for s in range(2, 8)]
+  rows = ablation_lib.paired_by_step(base, other, block=2, keys=("top1_1", "loss"))
+  assert [(r["first"], r["last"]) for r in rows] == [(2, 3), (4, 5)]
+  assert rows[0]["top1_1"][0] == pytest.approx(0.025)
+  assert rows[0]["top1_1"][1] == pytest.approx(1.96 * 0.01 / 2 ** 0.5 / 2 ** 0.5)
+  assert rows[1]["loss"] == (pytest.approx(-0.5), pytest.approx(0.0))
+  assert rows[1]["base_top1_1"] == pytest.approx(0.5)
+  single = ablation_lib.paired_by_step(base, other, block=10, keys=("loss",))
+  assert len(single) == 1 and single[0]["last"] == 5

@@ -16,6 +16,9 @@ def add_arguments(p):
                  help="end each variant after N more steps, with a checkpoint (rerun continues)")
   p.add_argument("--out", default=None, help="also write the table (Markdown) to this file")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  p.add_argument("--paired", default=None, metavar="BASE",
+                 help="also compare every variant with BASE step by step on their training "
+                      "metrics (the same batches in the same order), in blocks of 20 steps")
 
 
 def run(args) -> int:
@@ -46,6 +49,8 @@ def run(args) -> int:
         raise UserError(f"variant {name}: {e}") from e
       jax.clear_caches()
   text = ablation_lib.table([ablation_lib.variant_row(ablation, n) for n in names])
+  if args.paired:
+    text += "\n\n" + ablation_lib.paired_table(ablation, args.paired)
   print(text)
   if args.out:
     pathlib.Path(args.out).write_text(text + "\n")

@@ -30,6 +30,8 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from redrafter_jax.config import ConfigError, Preset, load_preset, read_yaml
 
 
@@ -144,4 +146,56 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
            "| " + " | ".join("---" if k in ("variant", "overrides") else "---:"
                             for k, _, _ in cols) + " |"]
   lines += ["| " + " | ".join(fmt(r, k, f) for k, _, f in cols) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+PAIRED_KEYS = ("top1_1", "top1_2", "top1_3", "top1_4", "loss")
+
+
+def paired_by_step(base: Sequence[Mapping[str, str]], other: Sequence[Mapping[str, str]], *,
+                   block: int = 20, keys: Sequence[str] = PAIRED_KEYS) -> list[dict[str, Any]]:
+  """``other`` minus ``base`` on the training metrics of the steps both logged (two variants of
+  one ablation see the same batches in the same order, so step s is a paired comparison on one
+  batch), averaged over blocks of ``block`` steps with a normal 95% half-width over the block's
+  steps.
+
+  Args:
+    base, other: ``metrics.csv`` rows (``step`` and ``keys`` columns).
+    block: steps per block.
+    keys: the metrics compared.
+
+  Returns:
+    One dict per block: ``first``, ``last`` (steps), ``base_<key>`` (the base's mean) and, per
+    key, ``(mean difference, half-width)`` (half-width None for a block of one step).
+  """
+  a = {int(r["step"]): r for r in base}
+  b = {int(r["step"]): r for r in other}
+  common = sorted(set(a) & set(b))
+  out = []
+  for start in range(0, len(common), block):
+    steps = common[start:start + block]
+    row: dict[str, Any] = {"first": steps[0], "last": steps[-1]}
+    for k in keys:
+      d = np.array([float(b[s][k]) - float(a[s][k]) for s in steps])
+      half = 1.96 * d.std(ddof=1) / np.sqrt(d.size) if d.size > 1 else None
+      row[k] = (float(d.mean()), None if half is None else float(half))
+      row[f"base_{k}"] = float(np.mean([float(a[s][k]) for s in steps]))
+    out.append(row)
+  return out
+
+
+def paired_table(ablation: Ablation, base: str, block: int = 20) -> str:
+  """Every other variant against ``base`` by ``paired_by_step``, as Markdown."""
+  if base not in ablation.variants:
+    raise ConfigError(f"--paired {base}: no such variant ({', '.join(ablation.variants)})")
+  rows = lambda n: _read_csv(pathlib.Path(ablation.preset(n).train.output_dir) / "metrics.csv")
+  lines = ["| variant | steps | base top-1 step 1 | " + " | ".join(
+      f"- base, {k}" for k in PAIRED_KEYS) + " |", "|---|---|---:|" + "---:|" * len(PAIRED_KEYS)]
+  for name in ablation.variants:
+    if name == base:
+      continue
+    for r in paired_by_step(rows(base), rows(name), block=block):
+      cell = lambda m, h: f"{m:+.3f}" + ("" if h is None else f" ± {h:.3f}")
+      lines.append(f"| {name} | {r['first']}-{r['last']} | {r['base_top1_1']:.3f} | "
+                   + " | ".join(cell(*r[k]) for k in PAIRED_KEYS) + " |")
   return "\n".join(lines)
