@@ -25,15 +25,21 @@ fetch: setup
 demo: fetch
 	$(PY) -m redrafter_jax.cli demo
 
-# The whole suite, real-model tests included (CI runs this): the fast tests, then the slow
-# (real-model) ones in a second process, so that neither accumulates the other's programs.
+# The whole suite, real-model tests included (CI runs this), in TEST_WORKERS processes
+# (pytest-xdist). The fast tests go by whole files (each file's fixtures built once) with quick
+# code generation; the slow (real-model) ones test by test, with XLA's optimised code generation
+# (tests/conftest.py says why).
+TEST_WORKERS ?= 2
 test: fetch
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20 \
+	    $(PYTEST_ARGS)
+	REDRAFTER_TEST_CODEGEN=full $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m slow --durations=20 \
+	    $(PYTEST_ARGS)
 
 # The quick inner loop: no real-model or long tests.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20 \
+	    $(PYTEST_ARGS)
 
 bench: fetch
 	$(PY) -m redrafter_jax.bench suite --prompts data/spec_bench.jsonl.gz --drafter shipped \

@@ -19,8 +19,27 @@ import os
 _FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAKE_DEVICES}".strip()
+# The tiny-model tests spend their time compiling, not running: the CPU backend's code generation
+# without LLVM's costly optimisations compiles them about a third faster and computes the same
+# values (no fast-math either way; both programs of every bitwise comparison are compiled alike).
+# The real-model (slow) tests run their programs long enough that the optimised code pays:
+# ``REDRAFTER_TEST_CODEGEN=full`` (``make test`` sets it for them) keeps XLA's defaults.
+_QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if (os.environ.get("REDRAFTER_TEST_CODEGEN", "quick") == "quick"
+    and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
+  os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_QUICK_CODEGEN}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # also for the subprocesses tests start
+# One persistent compilation cache for the whole run: the pytest workers, the subprocesses tests
+# start, and modules that compile what an earlier module compiled (each module's programs are
+# dropped when it ends) load a program instead of compiling it again. It lives in .pytest_cache
+# (ignored by git), so a clean clone starts empty; the key is the program, the flags and the JAX
+# version, so a cached program is the one XLA would compile.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
+                 "jax-compilation-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -80,8 +99,8 @@ def _release_compiled_programs():
 
 @pytest.fixture(autouse=True)
 def _no_leaked_compile_cache():
-  """A test that turns on XLA's persistent compilation cache (``serve`` run in-process) must not
-  leave it on for the tests after it: those would load programs compiled by earlier runs."""
+  """A test that points XLA's persistent compilation cache elsewhere (``serve`` run in-process)
+  must not leave it there for the tests after it."""
   before = jax.config.jax_compilation_cache_dir
   yield
   jax.config.update("jax_compilation_cache_dir", before)
