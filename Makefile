@@ -25,16 +25,15 @@ fetch: setup
 demo: fetch
 	$(PY) -m redrafter_jax.cli demo
 
-# The whole suite, real-model tests included (CI runs this), in TEST_WORKERS processes
-# (pytest-xdist). The fast tests go by whole files (each file's fixtures built once) with quick
-# code generation; the slow (real-model) ones test by test, with XLA's optimised code generation
-# (tests/conftest.py says why).
+# The whole suite, real-model tests included (CI runs this). The fast tests run in TEST_WORKERS
+# processes (pytest-xdist) that take whole files (each file's fixtures built once), with quick
+# code generation; the slow (real-model) ones in one process, whose programs use every core,
+# with XLA's optimised code generation (tests/conftest.py says why).
 TEST_WORKERS ?= 2
 test: fetch
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20 \
 	    $(PYTEST_ARGS)
-	REDRAFTER_TEST_CODEGEN=full $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m slow --durations=20 \
-	    $(PYTEST_ARGS)
+	REDRAFTER_TEST_CODEGEN=full $(PY) -m pytest -q -p no:xdist -m slow --durations=20 $(PYTEST_ARGS)
 
 # The quick inner loop: no real-model or long tests.
 test-fast: setup

@@ -27,14 +27,14 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.usefixtures("float32_matmuls")]  # float32 parity: no TF32 on GPUs
 
 NEW = 64
-NUM_PROMPTS = 20
+NUM_PROMPTS = 8  # one per category, the first 8 categories in order (CI time)
 TIE_GAP = 1e-4
 CACHE = 512  # one static cache size for every prompt here: one loop compilation per config
 
 
 @pytest.fixture(scope="module")
 def prompts(smollm2, spec_bench_path):
-  """20 prompts spread over the Spec-Bench categories (chat template, <= 320 tokens)."""
+  """NUM_PROMPTS prompts spread over the Spec-Bench categories (chat template, <= 320 tokens)."""
   _, _, tok = smollm2
   rows = [json.loads(line) for line in spec_bench_path.read_text().splitlines()]
   by_cat = {}
@@ -48,7 +48,7 @@ def prompts(smollm2, spec_bench_path):
       if i < len(by_cat[cat]) and len(chosen) < NUM_PROMPTS:
         chosen.append(by_cat[cat][i])
     i += 1
-  assert len({len(p) for p in chosen}) > 5
+  assert len({len(p) for p in chosen}) > 4
   return chosen
 
 
@@ -102,7 +102,7 @@ def oracle_decode(model, vocab_size, prompts, ar, cfg, batch):
 
 @pytest.mark.parametrize("W,L,budget,batch", [(4, 5, None, 4), (8, 5, 16, 1)])
 def test_oracle_drafter_all_prompts(smollm2, prompts, ar, W, L, budget, batch):
-  """All 20 prompts x 64 tokens, batch 4 and batch 1, drafts that are accepted at every depth."""
+  """All prompts x 64 tokens, batch 4 and batch 1, drafts that are accepted at every depth."""
   model, cfg_llm, _ = smollm2
   cfg = DecodeConfig(beam_width=W, beam_length=L, max_new_tokens=NEW, token_budget=budget,
                      cache_size=CACHE)
