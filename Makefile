@@ -30,15 +30,14 @@ demo: fetch
 # code generation; the slow (real-model) ones in one process, whose programs use every core,
 # with XLA's optimised code generation (tests/conftest.py says why).
 TEST_WORKERS ?= 2
+FAST_TESTS = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20
 test: fetch
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20 \
-	    $(PYTEST_ARGS)
+	$(FAST_TESTS) $(PYTEST_ARGS)
 	REDRAFTER_TEST_CODEGEN=full $(PY) -m pytest -q -p no:xdist -m slow --durations=20 $(PYTEST_ARGS)
 
 # The quick inner loop: no real-model or long tests.
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20 \
-	    $(PYTEST_ARGS)
+	$(FAST_TESTS) $(PYTEST_ARGS)
 
 bench: fetch
 	$(PY) -m redrafter_jax.bench suite --prompts data/spec_bench.jsonl.gz --drafter shipped \

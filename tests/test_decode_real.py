@@ -48,7 +48,7 @@ def prompts(smollm2, spec_bench_path):
       if i < len(by_cat[cat]) and len(chosen) < NUM_PROMPTS:
         chosen.append(by_cat[cat][i])
     i += 1
-  assert len({len(p) for p in chosen}) > 4
+  assert len({len(p) for p in chosen}) > 5
   return chosen
 
 
