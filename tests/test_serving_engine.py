@@ -599,23 +599,27 @@ LAYERS = (0, 1)  # both of the tiny LLM's layers: a multi-layer drafter's contex
 @pytest.fixture(scope="module")
 def layered_drafter():
   """A drafter that reads the states of ``LAYERS`` (the shipped drafter's kind), with a random
-  mixing projection so that every layer's state matters."""
-  d = Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48, feature_layers=LAYERS),
-              rngs=nnx.Rngs(2))
-  proj = d.feature_proj.kernel
-  proj.set_value(np.random.default_rng(3).normal(size=proj[...].shape).astype(np.float32) / 8)
+  mixing projection so that every layer's state matters, and reads its context: the copy hint
+  and the context attention (with a random output projection, so that what it reads matters)."""
+  d = Drafter(DrafterConfig(vocab_size=V, hidden_size=32, exit_dim=48, feature_layers=LAYERS,
+                            copy_ngram=2, context_attention=16), rngs=nnx.Rngs(2))
+  rng = np.random.default_rng(3)
+  for w, scale in ((d.feature_proj.kernel, 1 / 8), (d.ctx_out.kernel, 0.05)):
+    w.set_value(rng.normal(size=w[...].shape).astype(np.float32) * scale)
   return d
 
 
 def test_slot_batch_keeps_a_multi_layer_drafters_states(llm, layered_drafter):
   """After an admission, an AR step and a tree step, each slot's ``h`` is the states of the
-  drafter's layers at its newest cached token, as one forward over the whole text gives them."""
+  drafter's layers at its newest cached token, and its context memory at every cached position
+  is the drafter's over those states, as one forward over the whole text gives them."""
   from redrafter_jax.models import kv_cache as kvc
   from redrafter_jax.serving import batch as batch_lib
 
   B, S, M, T = 2, 96, 24, 64
   stop = jax.numpy.asarray([EOS], np.int32)
-  batch = batch_lib.empty(LLM_CFG, np.float32, B, S, M, DCFG.beam_length, layers=LAYERS)
+  batch = batch_lib.empty(LLM_CFG, np.float32, B, S, M, DCFG.beam_length, layers=LAYERS,
+                          memory=(16, np.float32))
   assert batch.state.h_BD.shape == (B, 2 * 32)
   prompts = [PROMPTS[2], PROMPTS[4]]
   tokens = np.zeros((B, T), np.int32)
@@ -626,7 +630,8 @@ def test_slot_batch_keeps_a_multi_layer_drafters_states(llm, layered_drafter):
                              np.asarray([len(p) for p in prompts], np.int32), ones(np.uint32),
                              ones(np.uint32), 0 * ones(np.float32), ones(np.float32),
                              0 * ones(np.int32), 24 * ones(np.int32), stop, ones(bool) & False,
-                             layers=LAYERS)
+                             layers=LAYERS, drafter=layered_drafter)
+  embed = llm.embed_tokens.embedding[...]
 
   def check(batch, what):
     s = batch.state
@@ -640,20 +645,30 @@ def test_slot_batch_keeps_a_multi_layer_drafters_states(llm, layered_drafter):
                                       layers=LAYERS)
       np.testing.assert_allclose(np.asarray(s.h_BD[b]), np.asarray(taps[0, -1]), atol=2e-5,
                                  err_msg=f"{what}, row {b}")
+      text = jax.numpy.asarray([seq + [int(s.g0_B[b])]])  # the last position's follower: g0
+      keys, values = layered_drafter.memory_over(
+          jax.numpy.pad(layered_drafter.context(taps), ((0, 0), (0, 1), (0, 0))), text, embed)
+      n = len(seq)
+      np.testing.assert_allclose(np.asarray(s.memory.keys_BSA[b, :n]), np.asarray(keys[0, :n]),
+                                 atol=5e-5, err_msg=f"{what}, row {b}")
+      np.testing.assert_allclose(np.asarray(s.memory.values_BSA[b, :n]),
+                                 np.asarray(values[0, :n]), atol=5e-5, err_msg=f"{what}, row {b}")
 
   check(batch, "admission")
-  batch, _ = jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, 0, layers=LAYERS))(batch)
+  batch, _ = jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, 0, layers=LAYERS,
+                                                 drafter=layered_drafter))(batch)
   check(batch, "AR step")
   batch, _ = jax.jit(lambda b: batch_lib.spec_step(llm, layered_drafter, b, stop, DCFG, 0))(batch)
   check(batch, "tree step")
   # The check sees a step that keeps other states (here the layers swapped).
   with pytest.raises(AssertionError, match="planted"):
-    check(jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, 0, layers=LAYERS[::-1]))(batch)[0],
-          "planted")
+    check(jax.jit(lambda b: batch_lib.ar_step(llm, b, stop, 0, layers=LAYERS[::-1],
+                                              drafter=layered_drafter))(batch)[0], "planted")
 
 
 def test_engine_serves_a_multi_layer_drafter_like_decode(llm, tok, layered_drafter):
-  """The server with a multi-layer drafter: tree steps, and AR steps while several rows are
+  """The server with a multi-layer drafter that reads its context (copy hint, context
+  attention): tree steps, and AR steps while several rows are
   active (a cost table in which a tree pays at one row only), give ``decode()``'s greedy tokens,
   and with tree steps only each request accepts as many drafts as in ``decode()``."""
   want = decode(llm, layered_drafter, PROMPTS, DCFG, stop_ids=[EOS])

@@ -687,20 +687,22 @@ def test_max_seconds_must_be_positive(synthetic, tmp_path, value):
     preset(synthetic, tmp_path, max_seconds=value)
 
 
-def test_a_checkpoint_exports_as_the_run_would_and_a_copy_hint_drafter_trains(synthetic,
-                                                                              tmp_path):
+def test_a_checkpoint_exports_as_the_run_would_and_a_context_reading_drafter_trains(
+    synthetic, tmp_path):
   """``export_checkpoint`` at the last step writes the run's own export, byte for byte, and at
-  an earlier step the drafter of that step; a drafter with the copy hint trains end to end."""
+  an earlier step the drafter of that step; a drafter with the copy hint and the context
+  attention trains end to end."""
   from redrafter_jax.weights.drafter_io import load_drafter
   from redrafter_jax.weights.params import flat_params
 
-  p = preset(synthetic, tmp_path / "run", drafter={"copy_ngram": 2}, num_steps=4,
-             checkpoint_every=2)
+  p = preset(synthetic, tmp_path / "run", drafter={"copy_ngram": 2, "context_attention": 8},
+             num_steps=4, checkpoint_every=2)
   result = trainer.train(p, progress=False)
   last = trainer.export_checkpoint(p, tmp_path / "at4", step=4)
   for name in ("model.safetensors", "config.json", "token_ranking.json"):
     assert (last / name).read_bytes() == (result.drafter_dir / name).read_bytes(), name
-  assert load_drafter(last).config.copy_ngram == 2
+  back = load_drafter(last).config
+  assert (back.copy_ngram, back.context_attention) == (2, 8)
   early = flat_params(load_drafter(trainer.export_checkpoint(p, tmp_path / "at2", step=2)))
   assert any(not np.array_equal(np.asarray(early[k]), np.asarray(v))
              for k, v in flat_params(load_drafter(last)).items())

@@ -186,12 +186,28 @@ class DrafterConfig:
   # gated boost of that token's logit. 0: off (the reference drafter). Needs the
   # "redrafter-jax" format.
   copy_ngram: int = 0
+  # Attention over the committed context (``models/context_attention.py``): at each draft step
+  # the drafter's state queries keys and values projected from its context vector and the
+  # tokens at every committed position, in ``context_heads`` heads of this total width, and adds
+  # the result to its head's input. 0: off (the reference drafter). Needs the "redrafter-jax"
+  # format.
+  context_attention: int = 0
+  context_heads: int = 2
+
+  # The options above that only the "redrafter-jax" format holds (reference drafters lack them).
+  OWN_OPTIONS = ("feature_layers", "copy_ngram", "context_attention")
 
   def __post_init__(self):
     if (not isinstance(self.copy_ngram, int) or isinstance(self.copy_ngram, bool)
         or not 0 <= self.copy_ngram <= 8):
       raise ConfigError(f"drafter.copy_ngram must be an integer in 0..8 (0: off), got "
                         f"{self.copy_ngram!r}")
+    A, H = self.context_attention, self.context_heads
+    if not isinstance(H, int) or isinstance(H, bool) or H < 1:
+      raise ConfigError(f"drafter.context_heads must be an integer >= 1, got {H!r}")
+    if (not isinstance(A, int) or isinstance(A, bool) or not 0 <= A <= 1024 or A % H):
+      raise ConfigError(f"drafter.context_attention must be an integer in 0..1024 (0: off) that "
+                        f"context_heads={H} divides, got {A!r}")
     layers = self.feature_layers
     if isinstance(layers, list):
       object.__setattr__(self, "feature_layers", tuple(layers))
@@ -234,6 +250,8 @@ class DrafterConfig:
       del out["feature_layers"]
     if not self.copy_ngram:
       del out["copy_ngram"]
+    if not self.context_attention:  # the heads mean nothing without it
+      del out["context_attention"], out["context_heads"]
     return out
 
   @property
@@ -244,6 +262,9 @@ class DrafterConfig:
       out["feature_layers"] = list(self.feature_layers)
     if self.copy_ngram:
       out["copy_ngram"] = self.copy_ngram
+    if self.context_attention:
+      out["context_attention"] = self.context_attention
+      out["context_heads"] = self.context_heads
     return out
 
 

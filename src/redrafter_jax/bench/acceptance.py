@@ -65,6 +65,7 @@ import numpy as np
 from flax import nnx
 
 from redrafter_jax.helptext import show_defaults
+from redrafter_jax.models.context_attention import ContextMemory, committed_visible
 from redrafter_jax.models.context_copy import copy_hints
 from redrafter_jax.models.drafter import restrict_vocab
 from redrafter_jax.training.losses import frozen_features
@@ -129,7 +130,17 @@ def _features(graphdef, state, seq_1T, layers: tuple[int, ...] = ()):
                          jnp.ones((1, T), jnp.int32), layers)[1]
 
 
-def teacher_forced_logits(drafter, feats_xX, prev_xnD, tokens_xT, starts_x, embed_VD=None):
+def seq_memory(drafter, seq_feats_TX, seq_T, embed_VD, length_x) -> ContextMemory:
+  """One sequence's context-attention memory, read by rows whose committed context is its
+  first ``length_x`` positions (``[1, T, A]`` keys and values, ``[x, 1, T]`` visible)."""
+  keys_1TA, values_1TA = drafter.memory_over(drafter.context(seq_feats_TX)[None], seq_T[None],
+                                             embed_VD)
+  T = seq_T.shape[0]
+  return ContextMemory(keys_1TA, values_1TA, committed_visible(jnp.asarray(length_x), T))
+
+
+def teacher_forced_logits(drafter, feats_xX, prev_xnD, tokens_xT, starts_x, embed_VD=None,
+                          seq_feats_TX=None):
   """The drafter's logits at steps 1..n, teacher-forced: what decoding's first beam would score.
   Every drafter call of this bench goes through here.
 
@@ -141,26 +152,37 @@ def teacher_forced_logits(drafter, feats_xX, prev_xnD, tokens_xT, starts_x, embe
       drafter with the copy hint (``copy_ngram``) reads.
     starts_x: each row's position t; step i (0-based) reads token t+1+i, and a copy hint there
       looks only at ``tokens_xT[x, :t + 2 + i]`` (``context_copy``).
-    embed_VD: the LLM's input embedding table (needed by a drafter with the copy hint).
+    embed_VD: the LLM's input embedding table (needed by a drafter with the copy hint or the
+      context attention).
+    seq_feats_TX: the LLM's features at every position of the sequence (needed by a drafter
+      with the context attention: row x reads the positions up to ``starts_x[x]``).
 
   Returns:
     ``[x, n, V]`` (or the restricted vocabulary's ``[x, n, R]``) logits.
   """
   K = drafter.config.copy_ngram
-  if not K:
-    return drafter.unroll_logits(drafter.context(feats_xX), prev_xnD)
-  n = prev_xnD.shape[-2]
-  query_xn = jnp.asarray(starts_x)[:, None] + 1 + jnp.arange(n)[None, :]
-  hint_xn = copy_hints(jnp.asarray(tokens_xT), query_xn, max_ngram=K)
-  return drafter.unroll_logits(drafter.context(feats_xX), prev_xnD, None, embed_VD, hint_xn)
+  h_xD = drafter.context(feats_xX)
+  hint_xn = None
+  if K:
+    n = prev_xnD.shape[-2]
+    query_xn = jnp.asarray(starts_x)[:, None] + 1 + jnp.arange(n)[None, :]
+    hint_xn = copy_hints(jnp.asarray(tokens_xT), query_xn, max_ngram=K)
+  if not drafter.config.context_attention:
+    return drafter.unroll_logits(h_xD, prev_xnD, None, embed_VD, hint_xn)
+  # The attention reads queries [rows, queries, D]: here one row of x queries, one memory.
+  memory = seq_memory(drafter, seq_feats_TX, tokens_xT[0], embed_VD, starts_x + 1)
+  memory = memory.replace(visible_LMS=memory.visible_LMS[:, 0][None])
+  one = lambda a: None if a is None else a[None]
+  return drafter.unroll_logits(h_xD[None], prev_xnD[None], None, embed_VD,
+                               jax.tree.map(one, hint_xn), memory)[0]
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _top1(graphdef, state, feats_xX, prev_xnD, seq_T, starts_x, embed_VD):
+def _top1(graphdef, state, feats_xX, prev_xnD, seq_T, starts_x, embed_VD, seq_feats_TX):
   drafter = nnx.merge(graphdef, state)
   tokens_xT = jnp.broadcast_to(seq_T[None], (starts_x.shape[0], seq_T.shape[0]))
   pred_xn = jnp.argmax(teacher_forced_logits(drafter, feats_xX, prev_xnD, tokens_xT, starts_x,
-                                             embed_VD),
+                                             embed_VD, seq_feats_TX),
                        -1)
   return pred_xn if drafter.vocab_ids is None else drafter.vocab_ids[...][pred_xn]
 
@@ -170,12 +192,14 @@ class Positions:
   """The answer positions t a drafter is scored at (all n targets t+2 .. t+n+1 inside the
   answer; the first is the prompt's last token), with what it reads there. ``seq`` is prompt +
   answer and ``padded`` the positions, both padded to multiples of 128 (padding comes last, so
-  causal attention ignores it); ``feats_xX`` the drafter's features at ``padded``."""
+  causal attention ignores it); ``feats_xX`` the drafter's features at ``padded`` and
+  ``feats_TX`` at every position of ``seq`` (what a drafter with the context attention reads)."""
 
   starts: np.ndarray
   padded: np.ndarray
   seq: np.ndarray
   feats_xX: jax.Array
+  feats_TX: jax.Array
 
   def targets(self, n: int) -> np.ndarray:
     """``[t, i]``: the LLM's token that draft step i+1 from position t should guess."""
@@ -194,7 +218,7 @@ def answer_positions(llm, drafter, prompt, answer, n: int) -> Positions | None:
   feats_TX = _features(*nnx.split(llm), jnp.asarray(seq)[None],
                        tuple(drafter.config.feature_layers))[0]
   padded = np.concatenate([starts, np.full((_round_up(starts.size) - starts.size,), starts[0])])
-  return Positions(starts, padded, seq, feats_TX[padded])
+  return Positions(starts, padded, seq, feats_TX[padded], feats_TX)
 
 
 def teacher_forced_hits(llm, drafter, prompt, answer, n: int,
@@ -207,13 +231,13 @@ def teacher_forced_hits(llm, drafter, prompt, answer, n: int,
   emb_VD = llm.embed_tokens.embedding[...]
   prev_xnD = emb_VD[pos.seq[pos.padded[:, None] + 1 + np.arange(n)]]
   pred = np.asarray(_top1(*nnx.split(drafter), pos.feats_xX, prev_xnD, jnp.asarray(pos.seq),
-                          jnp.asarray(pos.padded), emb_VD))[:pos.starts.size]
+                          jnp.asarray(pos.padded), emb_VD, pos.feats_TX))[:pos.starts.size]
   return pred == pos.targets(n)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "width", "length"))
-def _beams(graphdef, state, feats_xX, g0_x, embed_VD, seq_T, starts_x, *, width: int,
-           length: int):
+def _beams(graphdef, state, feats_xX, g0_x, embed_VD, seq_T, starts_x, seq_feats_TX, *,
+           width: int, length: int):
   """Beam search from every position (``beams_xWL``, token ids) and the step-1 top-W ids."""
   from redrafter_jax.inference.beam_search import beam_search
 
@@ -222,10 +246,12 @@ def _beams(graphdef, state, feats_xX, g0_x, embed_VD, seq_T, starts_x, *, width:
   tokens_xT = jnp.broadcast_to(seq_T[None], (starts_x.shape[0], seq_T.shape[0]))
   # Decoding's context: the tokens up to g0 (position t + 1); beam search writes each beam's
   # drafted tokens after it, over the answer's own.
+  memory = (seq_memory(drafter, seq_feats_TX, seq_T, embed_VD, starts_x + 1)
+            if drafter.config.context_attention else None)
   beams = beam_search(drafter, embed_VD, h_xD, g0_x, beam_width=width, beam_length=length,
-                      context_BS=tokens_xT, length_B=starts_x + 1)
+                      context_BS=tokens_xT, length_B=starts_x + 1, memory=memory)
   logits_xV = teacher_forced_logits(drafter, feats_xX, embed_VD[g0_x][:, None], tokens_xT,
-                                    starts_x, embed_VD)[:, 0]
+                                    starts_x, embed_VD, seq_feats_TX)[:, 0]
   top_xW = jax.lax.top_k(logits_xV, width)[1]
   if drafter.vocab_ids is not None:
     top_xW = drafter.vocab_ids[...][top_xW]
@@ -262,7 +288,7 @@ def beam_hits(llm, drafter, prompt, answer, n: int, width: int,
   beams_xWL, top_xW = _beams(*nnx.split(drafter), pos.feats_xX,
                              jnp.asarray(pos.seq[pos.padded + 1]),
                              llm.embed_tokens.embedding[...], jnp.asarray(pos.seq),
-                             jnp.asarray(pos.padded), width=width, length=n + 1)
+                             jnp.asarray(pos.padded), pos.feats_TX, width=width, length=n + 1)
   beams_xWL = np.asarray(beams_xWL)[:pos.starts.size]
   target_xn = pos.targets(n)
   match_xWn = np.cumprod(beams_xWL[:, :, 1:] == target_xn[:, None, :], axis=2)

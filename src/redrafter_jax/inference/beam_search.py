@@ -14,7 +14,9 @@ column 0 and L - 1 drafted tokens.
 
 A drafter with the copy hint (``DrafterConfig.copy_ngram``) reads, at each step and for each beam,
 the hint at the beam's newest token over the committed context (``context_BS``, g0 at position
-``length_B``) followed by the beam's own drafted tokens: the text that beam would make.
+``length_B``) followed by the beam's own drafted tokens: the text that beam would make. A drafter
+with the context attention (``DrafterConfig.context_attention``) reads the committed positions'
+memory (``memory``); every beam of a row reads the same one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from redrafter_jax.models.context_attention import ContextMemory
 from redrafter_jax.models.context_copy import CopyHint, copy_hints
 from redrafter_jax.models.drafter import Drafter
 
@@ -47,6 +50,12 @@ def copy_ngram_of(drafter) -> int:
   return int(getattr(getattr(drafter, "config", None), "copy_ngram", 0) or 0)
 
 
+def attends_to_context(drafter) -> bool:
+  """Whether the drafter reads the committed context's memory (``context_attention``; False
+  for drafters without a config)."""
+  return bool(getattr(getattr(drafter, "config", None), "context_attention", 0))
+
+
 def beam_hints(context_BS: jax.Array, length_B: jax.Array, beams_BWL: jax.Array, t,
                max_ngram: int) -> CopyHint:
   """The copy hint of each beam at its column ``t`` (position ``length + t``): the committed
@@ -66,7 +75,8 @@ def beam_hints(context_BS: jax.Array, length_B: jax.Array, beams_BWL: jax.Array,
 def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: jax.Array, *,
                 beam_width: int, beam_length: int, return_full: bool = False,
                 first_k: int = 0, context_BS: jax.Array | None = None,
-                length_B: jax.Array | None = None) -> BeamOutput:
+                length_B: jax.Array | None = None,
+                memory: ContextMemory | None = None) -> BeamOutput:
   """Draft ``beam_width`` beams of ``beam_length`` tokens (g0 first) per row.
 
   Args:
@@ -79,6 +89,8 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
     first_k: > 0 also returns the drafter's ``first_k`` best first tokens (``first_BK``).
     context_BS, length_B: the committed tokens with g0 at position ``length_B`` (``DecodeState``'s
       ``context_BS`` and cache lengths); needed by a drafter with ``copy_ngram``.
+    memory: the committed positions' keys and values ``[B, S, A]`` (``[B, 1, S]`` visible);
+      needed by a drafter with ``context_attention``.
 
   Returns:
     ``BeamOutput``, beams sorted best first.
@@ -88,6 +100,9 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
   if K and (context_BS is None or length_B is None):
     raise ValueError(f"a drafter with copy_ngram={K} drafts from the context: pass context_BS "
                      "and length_B")
+  if attends_to_context(drafter) and memory is None:
+    raise ValueError("a drafter with context_attention drafts from the committed context's "
+                     "memory: pass memory")
   W, L = beam_width, beam_length
   vocab_ids = drafter.vocab_ids[...] if drafter.vocab_ids is not None else None
   V = vocab_ids.shape[0] if vocab_ids is not None else embed_VD.shape[0]
@@ -104,7 +119,10 @@ def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: ja
     prev_BW = jax.lax.dynamic_index_in_dim(beams_BWL, t, axis=2, keepdims=False)
     if K:
       hint = beam_hints(context_BS, length_B, beams_BWL, t, K)
-      logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW], hint, embed_VD)
+      logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW], hint, embed_VD,
+                                         memory)
+    elif memory is not None:
+      logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW], memory=memory)
     else:
       logp_BWV, state_BWD = drafter.step(h_BWD, state_BWD, embed_VD[prev_BW])
     # Per-beam top-W, then the joint top-W over the W*W survivors.

@@ -35,6 +35,7 @@ from flax import nnx
 
 from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import sampling
+from redrafter_jax.inference.beam_search import attends_to_context
 from redrafter_jax.inference.runtime import (GenerateError, cache_size_for, check_sampling,
                                              checked_loop, keep_unless, mode_jit,
                                              pack_prompts)
@@ -48,13 +49,16 @@ TRACE_COUNT = {"decode": 0}  # incremented when the loop is traced: one trace pe
 
 
 @mode_jit(static_argnames=("llm_def", "cfg", "cache_size", "filtered", "greedy",
-                           "feature_layers"))
-def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, *, cfg,
-              cache_size, filtered, greedy, feature_layers=()):
+                           "feature_layers", "drafter_def"))
+def _init_jit(llm_def, llm_state, tokens_BT, lengths_B, params, rng, stop_ids, drafter_state=None,
+              *, cfg, cache_size, filtered, greedy, feature_layers=(), drafter_def=None):
+  """``drafter_def``/``drafter_state``: only for a drafter with ``context_attention`` (the
+  prefill builds its memory); other drafters' init does not depend on them."""
+  drafter = None if drafter_def is None else nnx.merge(drafter_def, drafter_state)
   return init(nnx.merge(llm_def, llm_state), tokens_BT, lengths_B, params, rng, stop_ids,
               cache_size=cache_size, max_new_tokens=cfg.max_new_tokens,
               beam_length=cfg.beam_length, filtered=filtered, greedy=greedy,
-              feature_layers=feature_layers)
+              feature_layers=feature_layers, drafter=drafter)
 
 
 # The loop is its own program: it depends on (B, S, cfg) but not on the prompt length, so prompts
@@ -223,6 +227,9 @@ class ReDrafter:
     self.drafter_def, self.drafter_state = nnx.split(draft_model(drafter, config))
     self.draft_embed = draft_embedding(llm)
     self.feature_layers = drafter_layers(drafter)
+    # A drafter with a context memory takes part in the prefill (``init``), which builds it.
+    self._init_drafter = (((self.drafter_state,), dict(drafter_def=self.drafter_def))
+                          if attends_to_context(drafter) else ((), {}))
 
   def prepare(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
               stop_ids: Sequence[int] = (), temperature=None, top_p=None, top_k=None,
@@ -255,9 +262,11 @@ class ReDrafter:
 
   def start(self, p: Prepared) -> DecodeState:
     """The ``init`` program: prefill the prompts and choose each row's first token."""
+    args, kwargs = self._init_drafter
     return _init_jit.of(self.invariant)(
         self.llm_def, self.llm_state, p.tokens_BT, p.lengths_B, p.params, p.rng, p.stop_ids,
-        cache_size=p.cache_size, feature_layers=self.feature_layers, **self._static(p))
+        *args, cache_size=p.cache_size, feature_layers=self.feature_layers, **kwargs,
+        **self._static(p))
 
   def width(self, p: Prepared, state: DecodeState) -> int | None:
     """The context bucket the next steps read (host side: reads the rows' lengths); None when

@@ -88,10 +88,13 @@ def forward_for_drafter(model: Llama, tokens_BT, positions_BT, mask_BTS, cache: 
   return hidden_BTD, hidden_BTD, cache
 
 
-def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tuple[int, ...] = ()):
+def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tuple[int, ...] = (),
+            every_position: bool = False):
   """Run the prompts; returns logits and hidden at each row's last prompt token, and the cache.
   With ``layers`` (a multi-layer drafter's ``feature_layers``) the second output is those
-  layers' states there instead (``Llama.forward_layers``)."""
+  layers' states there instead (``Llama.forward_layers``); with ``every_position`` it is those
+  states at every prompt position (``[B, T, X]``: what a drafter's context memory is built
+  from)."""
   B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   valid_BT = positions_BT < lengths_B[:, None]
@@ -99,7 +102,8 @@ def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tupl
   last = lambda x_BTX: jnp.take_along_axis(x_BTX, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   hidden_BTD, feats_BTX, cache = forward_for_drafter(model, tokens_BT, positions_BT, mask_BTS,
                                                      cache, layers)
-  return model.logits(last(hidden_BTD)), last(feats_BTX), kvc.advance(cache, lengths_B)
+  feats = feats_BTX if every_position else last(feats_BTX)
+  return model.logits(last(hidden_BTD)), feats, kvc.advance(cache, lengths_B)
 
 
 @struct.dataclass

@@ -22,10 +22,12 @@ from redrafter_jax.config import DecodeConfig
 from redrafter_jax.inference import lookup, sampling
 from redrafter_jax.inference import tree as tree_lib
 from redrafter_jax.inference import verify as verify_lib
-from redrafter_jax.inference.beam_search import BeamOutput, beam_search, copy_ngram_of
+from redrafter_jax.inference.beam_search import (BeamOutput, attends_to_context, beam_search,
+                                                 copy_ngram_of)
 from redrafter_jax.inference.runtime import (Output, empty_output, forward_for_drafter, prefill,
                                             record)
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.context_attention import MemoryCache
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.invariant import tree_keys
 from redrafter_jax.models.llama import Llama
@@ -95,16 +97,26 @@ class DecodeState:
   done_B: jax.Array
   rng: jax.Array
   metrics: Metrics
+  # The context-attention memory of a drafter with ``context_attention`` (None for others):
+  # keys and values at every committed position, kept by ``remember``.
+  memory: MemoryCache | None = None
 
 
 def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng, stop_ids, *,
          cache_size: int, max_new_tokens: int, beam_length: int, filtered: bool,
-         greedy: bool = False, feature_layers: tuple[int, ...] = ()) -> DecodeState:
+         greedy: bool = False, feature_layers: tuple[int, ...] = (),
+         drafter: Drafter | None = None) -> DecodeState:
   """Prefill the prompts and choose each row's first token. ``feature_layers``: the drafter's
-  (``drafter_layers``), whose states the state carries as ``h``."""
-  B = tokens_BT.shape[0]
+  (``drafter_layers``), whose states the state carries as ``h``. ``drafter``: needed for a
+  drafter with ``context_attention``, whose memory of the prompt the state then carries."""
+  B, T = tokens_BT.shape
   cache = llm.init_cache(B, cache_size)
-  logits_BV, h_BD, cache = prefill(llm, tokens_BT, lengths_B, cache, feature_layers)
+  attends = attends_to_context(drafter)
+  logits_BV, h_BD, cache = prefill(llm, tokens_BT, lengths_B, cache, feature_layers,
+                                   every_position=attends)
+  if attends:
+    feats_BTX = h_BD
+    h_BD = jnp.take_along_axis(feats_BTX, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   rng, key = jax.random.split(rng)
   if greedy:
     g0_B = sampling.greedy_tokens(logits_BV)
@@ -113,8 +125,39 @@ def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
   out, done_B = record(empty_output(B, max_new_tokens), jnp.zeros((B,), bool), g0_B[:, None],
                        jnp.ones((B,), jnp.int32), stop_ids, max_new_tokens)
   context_BS = start_context(tokens_BT, lengths_B, g0_B, cache_size)
+  memory = None
+  if attends:
+    memory = start_memory(drafter, llm.embed_tokens.embedding[...], feats_BTX, context_BS,
+                          lengths_B)
   return DecodeState(cache, g0_B, h_BD, context_BS, out, done_B, rng,
-                     Metrics.zeros(B, beam_length))
+                     Metrics.zeros(B, beam_length), memory)
+
+
+def start_memory(drafter: Drafter, embed_VD, feats_BTX, context_BS, lengths_B) -> MemoryCache:
+  """The memory of the prompts: an entry at each prompt position (the last one's follower is
+  g0, at ``length`` in ``context_BS``), in a buffer of the context's size."""
+  B, T, _ = feats_BTX.shape
+  S = context_BS.shape[1]
+  h_BTD = jnp.pad(drafter.context(feats_BTX), ((0, 0), (0, 1), (0, 0)))
+  tokens_BT = jnp.pad(context_BS, ((0, 0), (0, 1)))[:, :T + 1]
+  keys_BTA, values_BTA = drafter.memory_over(h_BTD, tokens_BT, embed_VD)
+  memory = MemoryCache.zeros(B, S, drafter.config.context_attention, keys_BTA.dtype)
+  return memory.write(jnp.zeros_like(lengths_B), keys_BTA[:, :T], values_BTA[:, :T], lengths_B)
+
+
+def remember(drafter: Drafter, embed_VD, memory: MemoryCache, start_B, context_BS, feats_BNX,
+             count_B) -> MemoryCache:
+  """``memory`` with the entries of newly committed positions ``start + i``, ``i < count``:
+  from the LLM's features there (``feats_BNX[:, i]``) and the tokens there and after them (in
+  ``context_BS``, which already holds the new tokens)."""
+  N = feats_BNX.shape[1]
+  S = context_BS.shape[1]
+  idx_BN1 = jnp.minimum(start_B[:, None] + jnp.arange(N + 1)[None], S - 1)
+  tokens_BN1 = jnp.take_along_axis(context_BS, idx_BN1, axis=1)
+  keys_BNA, values_BNA = drafter.memory_entries(
+      drafter.context(feats_BNX), jnp.take(embed_VD, tokens_BN1[:, :N], axis=0),
+      jnp.take(embed_VD, tokens_BN1[:, 1:], axis=0))
+  return memory.write(start_B, keys_BNA, values_BNA, count_B)
 
 
 def drafter_layers(drafter) -> tuple[int, ...]:
@@ -148,6 +191,11 @@ def draft(llm: Llama, drafter: Drafter, state: DecodeState, cfg: DecodeConfig,
     # A drafter with the copy hint reads the committed context (others need no cache here).
     context = (dict(context_BS=state.context_BS, length_B=state.cache.lengths_B)
                if copy_ngram_of(drafter) else {})
+    if attends_to_context(drafter):
+      if state.memory is None:
+        raise ValueError("a drafter with context_attention needs the state's memory: start "
+                         "the state with init(..., drafter=drafter)")
+      context["memory"] = state.memory.read(state.cache.lengths_B)
     beams = beam_search(drafter, embed_VD, drafter.context(state.h_BD), state.g0_B,
                         beam_width=cfg.beam_width, beam_length=cfg.beam_length,
                         return_full=cfg.acceptance == "reference",
@@ -301,4 +349,18 @@ def step(llm: Llama, drafter: Drafter, state: DecodeState, params: sampling.Samp
   logits_BNV, hidden_BND, cache = verify_forward(llm, state, tree, width,
                                                  drafter_layers(drafter))
   verdict = accept(key, beams, tree, logits_BNV, params, cfg, filtered, greedy)
-  return commit(state, cache, verdict, hidden_BND, tree, stop_ids, cfg)
+  new = commit(state, cache, verdict, hidden_BND, tree, stop_ids, cfg)
+  return remember_step(drafter, llm, embed_VD, state, new, verdict, hidden_BND)
+
+
+def remember_step(drafter, llm: Llama, embed_VD, old: DecodeState, new: DecodeState,
+                  verdict: verify_lib.Verdict, feats_BNX) -> DecodeState:
+  """``new`` with the memory entries of the positions this step committed (the accepted path's
+  slots; none for finished rows). A state without a memory is returned as it is."""
+  if old.memory is None:
+    return new
+  embed_VD = llm.embed_tokens.embedding[...] if embed_VD is None else embed_VD
+  path_feats_BAX = jnp.take_along_axis(feats_BNX, verdict.path_BA[:, :, None], axis=1)
+  count_B = jnp.where(old.done_B, 0, verdict.num_accepted_B + 1)
+  return new.replace(memory=remember(drafter, embed_VD, old.memory, old.cache.lengths_B,
+                                     new.context_BS, path_feats_BAX, count_B))

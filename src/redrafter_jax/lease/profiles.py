@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from redrafter_jax.config import DrafterConfig
+
 PROMPTS = "data/spec_bench.jsonl.gz"
 # Chosen up front, so that the lease compiles only their programs: the shipped drafter's own tree
 # (decode.json) and a width-4 tree with the lookup beam and the drafter's 4 best first tokens
@@ -159,7 +161,7 @@ def train(size: str) -> Profile:
   recipe = _recipe()
   # the drafter's own format: reference (MLX, TensorRT-LLM) unless it has an option only ours
   # holds (several layers, the copy hint)
-  own = {"feature_layers", "copy_ngram"} & {k for k, v in (recipe.drafter or {}).items() if v}
+  own = set(DrafterConfig.OWN_OPTIONS) & {k for k, v in (recipe.drafter or {}).items() if v}
   export_format = "redrafter-jax" if own else "reference"
   tiny_vocab = 64
   # the head trains train.vocab_limit rows; the rest stay zero and are not brought back

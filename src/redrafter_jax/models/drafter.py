@@ -22,6 +22,14 @@ none). It enters the recurrence and, gated, the logits:
 All three start at zero, so a drafter given the option starts as the one without it; training
 learns how far to trust a match of each length.
 
+Context attention (``DrafterConfig.context_attention`` A > 0, an option beyond the reference;
+``context_attention``): a memory of keys and values at every committed position, and at each
+step a query from ``[h, s_t]`` that reads it:
+
+  x += ctx_out(attend(ctx_query([h, s_t]), memory))             (after input_proj)
+
+``ctx_out`` starts at zero, so a drafter given the option starts as the one without it.
+
 Multi-layer features (``DrafterConfig.feature_layers``, an option beyond the reference, after
 EAGLE-3): the LLM hands over the outputs of several decoder layers, each through its final norm,
 concatenated (``[.., k*D]``, see ``Llama.forward_layers``); ``context`` projects them to D with
@@ -48,6 +56,7 @@ from flax import nnx
 
 from redrafter_jax.config import DrafterConfig
 from redrafter_jax.models.bf16_matmul import bf16_dot_general
+from redrafter_jax.models.context_attention import ContextMemory, attend
 from redrafter_jax.models.context_copy import CopyHint
 
 REFERENCE_CUT_VALUE = -5e4
@@ -103,6 +112,13 @@ class Drafter(nnx.Module):
       self.copy_length = nnx.Param(jnp.zeros((K + 1, D), dtype))
       self.copy_gate = nnx.Linear(C, K + 1, use_bias=True, dtype=dtype, param_dtype=dtype,
                                   rngs=rngs, kernel_init=zeros, dot_general=dot)
+    if cfg.context_attention:
+      A = cfg.context_attention
+      self.ctx_key = lin(2 * D, A, False)
+      self.ctx_value = lin(2 * D, A, False)
+      self.ctx_query = lin(2 * D, A, False)
+      self.ctx_out = nnx.Linear(A, C, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                                kernel_init=nnx.initializers.zeros_init(), dot_general=dot)
     self.token_ranking = TokenRanking(jnp.arange(V, dtype=jnp.int32))
     # Set by ``restrict_vocab``: the token id of each output row.
     self.vocab_ids = nnx.data(None)
@@ -143,6 +159,37 @@ class Drafter(nnx.Module):
       return jax.nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD) + extra_xD)
     return prev_emb_xD.astype(s_xD.dtype) + s_xD + extra_xD
 
+  def memory_entries(self, h_xD: jax.Array, tok_emb_xD: jax.Array,
+                     next_emb_xD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The context attention's key and value ``[.., A]`` at committed positions: from the
+    context vector there (``context``) with the embeddings of the token there and of the one
+    that followed it."""
+    h_xD = h_xD.astype(self.dtype)
+    keys = self.ctx_key(jnp.concatenate([h_xD, tok_emb_xD.astype(self.dtype)], axis=-1))
+    values = self.ctx_value(jnp.concatenate([h_xD, next_emb_xD.astype(self.dtype)], axis=-1))
+    return keys, values
+
+  def memory_over(self, h_LSD: jax.Array, tokens_LS: jax.Array,
+                  embed_VD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``memory_entries`` at every position of token rows (the token that followed position j
+    is the row's token j + 1; the last position's is never read, since a query at j sees j's
+    follower only once it is in the row)."""
+    next_LS = jnp.pad(tokens_LS[:, 1:], ((0, 0), (0, 1)))
+    return self.memory_entries(h_LSD, jnp.take(embed_VD, tokens_LS, axis=0),
+                               jnp.take(embed_VD, next_LS, axis=0))
+
+  def _read_context(self, h_LMD, s_LMD, memory: ContextMemory | None) -> jax.Array:
+    """The context attention's contribution ``[L, M, C]`` to the head's input."""
+    if memory is None:
+      raise ValueError(f"a drafter with context_attention={self.config.context_attention} "
+                       "needs the context memory at every step")
+    if h_LMD.ndim != 3:
+      raise ValueError(f"context attention reads queries [rows, queries, D], got {h_LMD.shape}")
+    query_LMA = self.ctx_query(jnp.concatenate([h_LMD.astype(self.dtype),
+                                                s_LMD.astype(self.dtype)], axis=-1))
+    read_LMA = attend(query_LMA, memory, self.config.context_heads)
+    return self.ctx_out(read_LMA.astype(self.dtype))
+
   def copy_row(self, token_x: jax.Array) -> jax.Array:
     """The output row of each token (-1 where the restricted draft vocabulary lacks it)."""
     if self.vocab_ids is None:
@@ -152,12 +199,16 @@ class Drafter(nnx.Module):
         jnp.arange(ids_R.shape[0], dtype=jnp.int32))
     return row_of_V[token_x]
 
-  def logits(self, h_xD: jax.Array, s_xD: jax.Array, hint: CopyHint | None = None) -> jax.Array:
+  def logits(self, h_xD: jax.Array, s_xD: jax.Array, hint: CopyHint | None = None,
+             memory: ContextMemory | None = None) -> jax.Array:
     """Unnormalised vocabulary logits (float32) from the LLM hidden state and drafter state
-    (and, with ``copy_ngram``, the copy hint's gated boost)."""
+    (and, with ``copy_ngram``, the copy hint's gated boost; with ``context_attention``, what
+    the state reads from ``memory``, for ``h``/``s`` of shape ``[rows, queries, D]``)."""
     x = jnp.concatenate([h_xD.astype(self.dtype), s_xD.astype(self.dtype)], axis=-1)
     if self.config.has_input_proj:
       x = self.input_proj(x)
+    if self.config.context_attention:
+      x = x + self._read_context(h_xD, s_xD, memory)
     *blocks, head = list(self.lm_head)
     for block in blocks:
       x = block(x)
@@ -174,22 +225,26 @@ class Drafter(nnx.Module):
     at_xV = jnp.arange(V).reshape((1,) * row_x.ndim + (V,)) == row_x[..., None]
     return logits_xV + jnp.where(at_xV, gate_x[..., None], 0.0)
 
-  def log_probs(self, h_xD, s_xD, hint: CopyHint | None = None) -> jax.Array:
-    logits_xV = self.logits(h_xD, s_xD, hint)
+  def log_probs(self, h_xD, s_xD, hint: CopyHint | None = None,
+                memory: ContextMemory | None = None) -> jax.Array:
+    logits_xV = self.logits(h_xD, s_xD, hint, memory)
     if self.config.logit_top_k is not None:
       logits_xV = reference_top_k_cut(logits_xV, self.config.logit_top_k)
     return jax.nn.log_softmax(logits_xV, axis=-1)
 
-  def step(self, h_xD, s_xD, prev_emb_xD, hint: CopyHint | None = None, embed_VD=None):
+  def step(self, h_xD, s_xD, prev_emb_xD, hint: CopyHint | None = None, embed_VD=None,
+           memory: ContextMemory | None = None):
     """One draft step: ``(log_probs_xV, new_state_xD)``. ``hint`` (with ``embed_VD``): the copy
-    hint at the token just read, for a drafter with ``copy_ngram``."""
+    hint at the token just read, for a drafter with ``copy_ngram``; ``memory``: the committed
+    context, for a drafter with ``context_attention``."""
     s_xD = self.recur(s_xD, prev_emb_xD, hint, embed_VD)
-    return self.log_probs(h_xD, s_xD, hint), s_xD
+    return self.log_probs(h_xD, s_xD, hint, memory), s_xD
 
   def unroll_logits(self, h_xD: jax.Array, prev_emb_xnD: jax.Array,
                     own_xn: jax.Array | None = None,
                     embed_VD: jax.Array | None = None,
-                    hint_xn: CopyHint | None = None) -> jax.Array:
+                    hint_xn: CopyHint | None = None,
+                    memory: ContextMemory | None = None) -> jax.Array:
     """Teacher-forced logits for n steps: step i sees the embeddings of tokens 1..i.
 
     ``prev_emb_xnD[..., i, :]`` is the embedding of the token before draft step i (g0 first).
@@ -200,7 +255,8 @@ class Drafter(nnx.Module):
     embedding (from ``embed_VD``) of this drafter's own argmax at step i-1 instead of
     ``prev_emb``, as beam search's best beam does; the choice itself carries no gradient.
     ``hint_xn`` (with ``embed_VD``; a drafter with ``copy_ngram``): each step's copy hint
-    (``context_copy.teacher_forced_hints``).
+    (``context_copy.teacher_forced_hints``). ``memory`` (a drafter with ``context_attention``;
+    ``h`` then ``[rows, queries, D]``): the committed context every step reads.
     """
     if own_xn is not None and self.config.copy_ngram:
       raise ValueError("the training-time test (self_feed) cannot be combined with copy_ngram: "
@@ -216,7 +272,7 @@ class Drafter(nnx.Module):
         prev_xD = jnp.where(own_xn[..., i, None], own_emb_xD.astype(prev_xD.dtype), prev_xD)
       hint = None if hint_xn is None else jax.tree.map(lambda a: a[..., i], hint_xn)
       s_xD = self.recur(s_xD, prev_xD, hint, embed_VD)
-      out.append(self.logits(h_xD, s_xD, hint))
+      out.append(self.logits(h_xD, s_xD, hint, memory))
     return jnp.stack(out, axis=-2)
 
 

@@ -8,7 +8,9 @@ batch, so nothing of it makes a host round trip):
                 choose each first token with its request's own key, and write each row into
                 its slot: cache row, g0, h (the last hidden state, or the states of a
                 multi-layer drafter's ``feature_layers``, which every step keeps current),
-                output row, done flag, metrics row, sampling settings, key, limit.
+                output row, done flag, metrics row, sampling settings, key, limit (and, for a
+                drafter with ``context_attention``, its memory of the prompt, which every step,
+                AR ones too, extends by the positions it commits).
   ``release``   mark the rows whose request ended on the host done (they stop decoding);
   ``spec_step`` one ReDrafter step (``inference.step.step``) for every slot;
   ``ar_step``   one plain autoregressive step (the ReDrafter-off mode, and the steps where a
@@ -42,7 +44,9 @@ from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.inference import lookup, sampling
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.runtime import empty_output, forward_for_drafter, prefill, record
+from redrafter_jax.inference.beam_search import attends_to_context
 from redrafter_jax.models import kv_cache as kvc
+from redrafter_jax.models.context_attention import MemoryCache
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 
@@ -65,11 +69,13 @@ class StepOut:
 
 def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
           beam_length: int, *, layout: str = "XES", cache_dtype=None,
-          stacked: bool = False, layers: tuple[int, ...] = ()) -> SlotBatch:
+          stacked: bool = False, layers: tuple[int, ...] = (),
+          memory: tuple[int, object] | None = None) -> SlotBatch:
   """All slots free (done), caches zero, in the attention backend's ``layout`` and
   ``cache_dtype`` (default ``dtype``), stacked for a model that scans over its layers:
   ``Llama.init_cache``'s form. ``layers``: the drafter's ``feature_layers``, whose states each
-  slot then carries as ``h`` (``[B, len(layers) * D]``) instead of the last hidden state."""
+  slot then carries as ``h`` (``[B, len(layers) * D]``) instead of the last hidden state.
+  ``memory``: ``(width, dtype)`` of a context-attention drafter's memory (None: no memory)."""
   B = slots
   width = cfg.hidden_size * (len(layers) or 1)
   state = step_lib.DecodeState(
@@ -78,7 +84,8 @@ def empty(cfg: LlamaConfig, dtype, slots: int, cache_size: int, max_tokens: int,
       g0_B=jnp.zeros((B,), jnp.int32), h_BD=jnp.zeros((B, width), dtype),
       context_BS=jnp.zeros((B, cache_size), jnp.int32), out=empty_output(B, max_tokens),
       done_B=jnp.ones((B,), bool), rng=jax.random.split(jax.random.key(0), B),
-      metrics=step_lib.Metrics.zeros(B, beam_length))
+      metrics=step_lib.Metrics.zeros(B, beam_length),
+      memory=None if memory is None else MemoryCache.zeros(B, cache_size, *memory))
   return SlotBatch(state, sampling.SamplingParams.make(B), jnp.zeros((B,), jnp.int32))
 
 
@@ -89,18 +96,25 @@ def request_key(seed_lo, seed_hi) -> jax.Array:
 
 def admit(llm: Llama, batch: SlotBatch, slots_k, tokens_kT, lengths_k, seed_lo_k, seed_hi_k,
           temperature_k, top_p_k, top_k_k, limit_k, stop_ids, filtered_k, *,
-          layers: tuple[int, ...] = ()) -> tuple[SlotBatch, jax.Array]:
+          layers: tuple[int, ...] = (),
+          drafter: Drafter | None = None) -> tuple[SlotBatch, jax.Array]:
   """Prefill k prompts (one length bucket T, padded) into slots ``slots_k``; returns the batch
   and each request's first token ``[k]``. A slot index ``>= B`` marks a padding row: it is
   prefilled (the call's row count is bucketed) but written nowhere. ``filtered_k``: the row's
   request uses top-k/top-p (the vocabulary sort runs only when some row does). Each row draws
   its first token with its own request's key, so a request's tokens do not depend on which
-  others were admitted with it. ``layers``: the drafter's ``feature_layers`` (``empty``)."""
+  others were admitted with it. ``layers``: the drafter's ``feature_layers`` (``empty``).
+  ``drafter``: needed for a drafter with ``context_attention`` (its memory of the prompts)."""
   s = batch.state
   M = s.out.tokens_BM.shape[1]
   k, T = tokens_kT.shape
   lengths_k = lengths_k.astype(jnp.int32)
-  logits_kV, h_kD, rows = prefill(llm, tokens_kT, lengths_k, llm.init_cache(k, T), layers)
+  attends = attends_to_context(drafter)
+  logits_kV, h_kD, rows = prefill(llm, tokens_kT, lengths_k, llm.init_cache(k, T), layers,
+                                  every_position=attends)
+  if attends:
+    feats_kTX = h_kD
+    h_kD = jnp.take_along_axis(feats_kTX, (lengths_k - 1)[:, None, None], axis=1)[:, 0]
   params_k = sampling.SamplingParams.make(k, temperature_k, top_p_k, top_k_k)
   rng_k2 = jax.vmap(lambda lo, hi: jax.random.split(request_key(lo, hi)))(seed_lo_k, seed_hi_k)
   draw = lambda f: lambda: jax.vmap(lambda key, lp_V: sampling.sample(key, lp_V[None])[0])(
@@ -124,6 +138,10 @@ def admit(llm: Llama, batch: SlotBatch, slots_k, tokens_kT, lengths_k, seed_lo_k
                       stopped_B=put(s.out.stopped_B, out_k.stopped_B))
   metrics = jax.tree.map(lambda x: x.at[slots_k].set(0, mode="drop"), s.metrics)
   context_kS = step_lib.start_context(tokens_kT, lengths_k, g0_k, s.context_BS.shape[1])
+  if attends:
+    memory_k = step_lib.start_memory(drafter, llm.embed_tokens.embedding[...], feats_kTX,
+                                     context_kS, lengths_k)
+    s = s.replace(memory=jax.tree.map(put, s.memory, memory_k))
   state = s.replace(cache=cache, g0_B=put(s.g0_B, g0_k), context_BS=put(s.context_BS, context_kS),
                     h_BD=put(s.h_BD, h_kD), out=out, done_B=put(s.done_B, done_k),
                     rng=s.rng.at[slots_k].set(rng_k2[:, 0], mode="drop"), metrics=metrics)
@@ -173,17 +191,20 @@ def spec_step(llm: Llama, drafter: Drafter, batch: SlotBatch, stop_ids, cfg: Dec
       keys_B2[:, 1], beams, tree, logits_BNV, batch.params, cfg, filtered, greedy)
   verdict = jax.lax.switch(kind, [rule(False, True), rule(False, False), rule(True, False)])
   new = step_lib.commit(state, cache, verdict, hidden_BND, tree, stop_ids, cfg)
+  new = step_lib.remember_step(drafter, llm, embed_VD, state, new, verdict, hidden_BND)
   return _finish(batch, s, new, width or cfg.beam_length)
 
 
 def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
-            context: int | None = None,
-            layers: tuple[int, ...] = ()) -> tuple[SlotBatch, StepOut]:
+            context: int | None = None, layers: tuple[int, ...] = (),
+            drafter: Drafter | None = None, embed_VD=None) -> tuple[SlotBatch, StepOut]:
   """One autoregressive token for every slot (the same bookkeeping as ``spec_step``; ``kind``
   and ``context`` as there: kind 0 takes the argmax without a draw, the top-k/top-p filter runs
   for kind 2 only); ``width`` pads ``StepOut.tokens_BA`` to the speculative step's width, so
   both modes return one shape. ``layers``: the drafter's ``feature_layers`` (``empty``), whose
-  states the step keeps as ``h`` for the next tree step."""
+  states the step keeps as ``h`` for the next tree step. ``drafter`` (with ``embed_VD``, the
+  table it reads): a drafter with ``context_attention``, whose memory the step extends by the
+  committed token."""
   s = batch.state
   B = s.g0_B.shape[0]
   M = s.out.tokens_BM.shape[1]
@@ -205,10 +226,15 @@ def ar_step(llm: Llama, batch: SlotBatch, stop_ids, kind, *, width: int = 1,
   metrics = m.replace(steps_B=m.steps_B + on_B,
                       accept_hist_BL=m.accept_hist_BL.at[:, 0].add(on_B))
   context_BS = lookup.write(s.context_BS, c.lengths_B + 1, next_B[:, None], on_B)
+  memory = s.memory
+  if memory is not None:
+    embed_VD = llm.embed_tokens.embedding[...] if embed_VD is None else embed_VD
+    memory = step_lib.remember(drafter, embed_VD, memory, c.lengths_B, context_BS, hidden_B1D,
+                               on_B)
   new = s.replace(cache=cache, g0_B=jnp.where(active_B, next_B, s.g0_B), context_BS=context_BS,
                   h_BD=jnp.where(active_B[:, None], hidden_B1D[:, 0], s.h_BD),
                   out=out.replace(steps=out.steps + 1), done_B=done_B, rng=keys_B2[:, 0],
-                  metrics=metrics)
+                  metrics=metrics, memory=memory)
   return _finish(batch, s, new, width)
 
 

@@ -35,6 +35,7 @@ from redrafter_jax import sharding as sh
 from redrafter_jax.config import ConfigError
 from redrafter_jax.hostmem import memory_mappings, release_free_memory, resident_bytes
 from redrafter_jax.inference import step as step_lib
+from redrafter_jax.inference.beam_search import attends_to_context
 from redrafter_jax.inference.decode import ReDrafter
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
@@ -185,10 +186,14 @@ class Placement:
     # A multi-layer drafter reads several layers' states: every slot carries them as its h, and
     # every step (AR ones too) keeps them current.
     self.layers = step_lib.drafter_layers(drafter) if drafter is not None else ()
+    # A drafter with a context memory takes part in admission (the prompts' memory) and in AR
+    # steps too (the memory of the tokens they commit).
+    self._attends = attends_to_context(drafter)
+    memory = (drafter.config.context_attention, drafter.dtype) if self._attends else None
     self._empty = lambda: batch_lib.empty(
         llm_cfg, dtype, config.slots, config.max_context, config.max_tokens,
         config.decode.beam_length, layout=row.layout, cache_dtype=row.k[0].dtype,
-        stacked=row.stacked, layers=self.layers)
+        stacked=row.stacked, layers=self.layers, memory=memory)
     self._batch_sharding = self._shardings(jax.eval_shape(self._empty), llm.config.num_kv_heads,
                                            row.head_axis)
     # The invariant mode's programs keep every bfloat16 rounding (models.invariant)
@@ -436,19 +441,26 @@ class Placement:
     field = lambda name: np.stack([getattr(a, name) for a in rows])
     slots_k = np.asarray([a.slot for a in admissions] + [self.config.slots] * (k - n), np.int32)
     self.batch, first_k = self._programs[key](
-        self.llm_state, self.batch, slots_k, tokens_kT,
+        self.llm_state, self._admit_drafter(), self.batch, slots_k, tokens_kT,
         np.asarray([len(a.tokens) for a in rows], np.int32), field("seed_lo"), field("seed_hi"),
         field("temperature"), field("top_p"), field("top_k"), field("limit"), self.stop_ids,
         field("filtered"))
     return first_k
 
+  def _admit_drafter(self):
+    """The drafter state admission reads: a context-attention drafter's (None otherwise)."""
+    return self.drafter_state if self._attends else None
+
   def _admit_jit(self):
     llm_def, layers = self._llm_def, self.layers
+    drafter_def = self._drafter_def if self._attends else None
 
-    def admit(llm_state, batch, *args):
-      return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args, layers=layers)
+    def admit(llm_state, drafter_state, batch, *args):
+      drafter = None if drafter_def is None else nnx.merge(drafter_def, drafter_state)
+      return batch_lib.admit(nnx.merge(llm_def, llm_state), batch, *args, layers=layers,
+                             drafter=drafter)
 
-    return jax.jit(admit, donate_argnums=(1,), out_shardings=self._out,
+    return jax.jit(admit, donate_argnums=(2,), out_shardings=self._out,
                    compiler_options=self._options)
 
   def _shape(self, tree):
@@ -462,7 +474,8 @@ class Placement:
 
   def _admit_shapes(self, T: int, k: int) -> tuple:
     h = self._host
-    return (self._shape(self.llm_state), self._batch_shapes, h((k,), np.int32),
+    return (self._shape(self.llm_state), self._shape(self._admit_drafter()), self._batch_shapes,
+            h((k,), np.int32),
             h((k, T), np.int32), h((k,), np.int32), h((k,), np.uint32), h((k,), np.uint32),
             h((k,), np.float32), h((k,), np.float32), h((k,), np.int32), h((k,), np.int32),
             self._shape(self.stop_ids), h((k,), np.bool_))
@@ -520,6 +533,7 @@ class Placement:
 
   def _step_jit(self, rows: int, mode: str, context: int):
     llm_def, drafter_def, layers = self._llm_def, self._drafter_def, self.layers
+    attends = self._attends
     dcfg = self._trees.get(mode)  # None: AR
     whole = rows == self.config.slots  # the bucket of all slots: no gather (rows = 0..B-1)
     # Every mode returns the served tree's width of tokens per row (the batch's output shape).
@@ -536,8 +550,9 @@ class Placement:
                                        stop_ids, dcfg, kind, context=context, embed_VD=embed_VD,
                                        width=width)
       else:
+        drafter = nnx.merge(drafter_def, drafter_state) if attends else None
         sub, out = batch_lib.ar_step(llm, sub, stop_ids, kind, width=width, context=context,
-                                     layers=layers)
+                                     layers=layers, drafter=drafter, embed_VD=embed_VD)
       if whole:
         return sub, out
       return batch_lib.put_rows(batch, idx_b, sub, (start_b, written)), out

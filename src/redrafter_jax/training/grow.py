@@ -13,6 +13,9 @@ drafter's own and training learns only what the new capacity adds.
   A ResBlock adds ``SiLU(0) = 0`` to a new channel, so the logits are the old drafter's.
 - ``copy_ngram``: a drafter without the copy hint gains it. The hint's weights start at zero
   (``Drafter``), so the grown drafter ignores the hint until training teaches it to read it.
+- ``context_attention`` (with ``context_heads``): a drafter without the context attention gains
+  it. Its output projection starts at zero (``Drafter``), so what it reads adds nothing until
+  training teaches it to; the keys, values and query start random, so gradients reach them.
 
 Any other difference is an error, not a silently ignored field.
 """
@@ -34,7 +37,7 @@ def grow_as_asked(drafter: Drafter, asked: DrafterConfig, named: set[str], *, la
   it, grown where the module docstring allows. ``source`` names the drafter in errors."""
   got = drafter.config
   differ = sorted(k for k in named if getattr(asked, k) != getattr(got, k))
-  growable = {"feature_layers", "exit_dim", "copy_ngram"}
+  growable = {"feature_layers", "exit_dim", "copy_ngram", "context_attention", "context_heads"}
   if set(differ) - growable:
     said = ", ".join(f"{k}={getattr(got, k)!r} (the preset's drafter.{k}: {getattr(asked, k)!r})"
                      for k in differ)
@@ -46,16 +49,23 @@ def grow_as_asked(drafter: Drafter, asked: DrafterConfig, named: set[str], *, la
   if "exit_dim" in differ:
     drafter = _widen(drafter, asked.exit_dim, seed=seed, source=source)
   if "copy_ngram" in differ:
-    drafter = _add_copy_hint(drafter, asked.copy_ngram, seed=seed, source=source)
+    drafter = _add_option(drafter, dict(copy_ngram=asked.copy_ngram), seed=seed, source=source)
+  if {"context_attention", "context_heads"} & set(differ):
+    drafter = _add_option(drafter, dict(context_attention=asked.context_attention,
+                                        context_heads=asked.context_heads),
+                          seed=seed, source=source)
   return drafter
 
 
-def _add_copy_hint(drafter: Drafter, copy_ngram: int, *, seed: int, source: str) -> Drafter:
+def _add_option(drafter: Drafter, option: dict, *, seed: int, source: str) -> Drafter:
+  """``drafter`` grown an option whose new weights leave its logits as they are (the first of
+  ``option``'s fields is the switch, off at 0)."""
   got = drafter.config
-  if got.copy_ngram or not copy_ngram:
-    raise ConfigError(f"train.init_drafter {source} has copy_ngram={got.copy_ngram}; only a "
-                      f"drafter without the copy hint grows one (asked: {copy_ngram})")
-  grown = Drafter(dataclasses.replace(got, copy_ngram=copy_ngram), dtype=drafter.dtype,
+  name, value = next(iter(option.items()))
+  if getattr(got, name) or not value:
+    raise ConfigError(f"train.init_drafter {source} has {name}={getattr(got, name)}; only a "
+                      f"drafter without the option grows it (asked: {name}={value})")
+  grown = Drafter(dataclasses.replace(got, **option), dtype=drafter.dtype,
                   rngs=nnx.Rngs(seed))
   nnx.update(grown, nnx.state(drafter))
   grown.vocab_ids = drafter.vocab_ids

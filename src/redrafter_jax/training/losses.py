@@ -35,6 +35,11 @@ Copy hint (``DrafterConfig.copy_ngram``): step i at position t reads the hint at
 over the row's tokens so far, within its packed sequence (``context_copy.teacher_forced_hints``),
 as decoding's beam search reads it at the same tokens.
 
+Context attention (``DrafterConfig.context_attention``): the memory holds every position of the
+row (``Drafter.memory_entries`` from the context vectors and tokens), and the steps at position t
+read the positions j <= t of t's packed sequence (``context_attention.causal_visible``): what
+decoding has committed when it drafts from t.
+
 Memory: logits ``[B, T, n, V]`` at V=49152 would be GBs. The positions are cut into chunks of
 ``chunk`` and a ``lax.scan`` over chunks computes each chunk's logits inside ``jax.checkpoint``,
 so only one chunk's ``[B, chunk, n, V]`` logits (and their gradient) are alive at a time; the
@@ -49,6 +54,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from redrafter_jax.models.context_attention import ContextMemory, causal_visible
 from redrafter_jax.models.context_copy import CopyHint, teacher_forced_hints
 from redrafter_jax.models.drafter import Drafter
 
@@ -109,8 +115,9 @@ def plackett_luce_nll(logits_xV: jax.Array, ranked_xK: jax.Array) -> jax.Array:
   return jnp.mean(rest_xK - picked_xK, axis=-1)
 
 
-def _chunk_sums(drafter, soft, embed_VD, ctx_BPX, prev_emb_BPnD, targets_BPn, weights_BPn,
-                ce_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK, hint_tok_BPn, hint_len_BPn):
+def _chunk_sums(drafter, soft, embed_VD, memory_kv, h_BPD, prev_emb_BPnD, targets_BPn,
+                weights_BPn, ce_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK, hint_tok_BPn,
+                hint_len_BPn, pos_BP, seg_BP):
   """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits, ranking loss (each
   ``[n]``).
 
@@ -118,10 +125,15 @@ def _chunk_sums(drafter, soft, embed_VD, ctx_BPX, prev_emb_BPnD, targets_BPn, we
   (accuracies), ``ce_weights`` for those the cross-entropy skips. With ``soft`` the
   cross-entropy is against the LLM's distributions ``teacher_p`` over the same rows. ``own``
   (or None): steps that read the drafter's own previous argmax; ``ranked`` (K may be 0): the
-  LLM's top-K rows for the ranking loss; ``hint_*`` (or None): the copy hints."""
-  h_BPD = drafter.context(ctx_BPX)
+  LLM's top-K rows for the ranking loss; ``hint_*`` (or None): the copy hints. ``memory_kv``
+  (or None): the context attention's keys, values and segment ids over the whole rows, read
+  by the chunk's positions ``pos_BP`` in their segments ``seg_BP``."""
   hint = None if hint_tok_BPn is None else CopyHint(hint_tok_BPn, hint_len_BPn)
-  logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD, own_BPn, embed_VD, hint)
+  memory = None
+  if memory_kv is not None:
+    keys_BTA, values_BTA, segment_BT = memory_kv
+    memory = ContextMemory(keys_BTA, values_BTA, causal_visible(pos_BP, segment_BT, seg_BP))
+  logits_BPnV = drafter.unroll_logits(h_BPD, prev_emb_BPnD, own_BPn, embed_VD, hint, memory)
   logz_BPn = jax.nn.logsumexp(logits_BPnV, axis=-1)
   target_logit_BPn = jnp.take_along_axis(logits_BPnV, targets_BPn[..., None], axis=-1)[..., 0]
   rank_BPn = jnp.sum(logits_BPnV > target_logit_BPn[..., None], axis=-1)
@@ -216,8 +228,16 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
       raise ValueError("self_feed needs rng")
     own_BTn = jax.random.bernoulli(rng, self_feed, (B, T, n)).at[:, :, 0].set(False)
   context_BTX = hidden_BTD if context_BTX is None else jax.lax.stop_gradient(context_BTX)
+  drafter = drafter_of(drafter_params)
+  # The drafter's context vector at every position, once (not per chunk: the context attention
+  # reads it at every position too).
+  h_BTD = drafter.context(context_BTX)
+  memory_kv = None
+  if drafter.config.context_attention:
+    keys_BTA, values_BTA = drafter.memory_over(h_BTD, tokens_BT, embedding_VD)
+    memory_kv = (keys_BTA, values_BTA, segment_ids_BT)
   hint_BTn = CopyHint(None, None)
-  copy_ngram = drafter_of(drafter_params).config.copy_ngram
+  copy_ngram = drafter.config.copy_ngram
   if copy_ngram:
     hint_BTn = teacher_forced_hints(tokens_BT, n, max_ngram=copy_ngram, segment_BT=segment_ids_BT)
   if vocab_ids_R is not None:
@@ -235,17 +255,18 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
     return jnp.moveaxis(x.reshape(B, num_chunks, P, *x.shape[2:]), 1, 0)
 
   @jax.checkpoint
-  def chunk_sums(params, xs):
-    return _chunk_sums(drafter_of(params), soft, embedding_VD, *xs)
+  def chunk_sums(params, memory_kv, xs):
+    return _chunk_sums(drafter_of(params), soft, embedding_VD, memory_kv, *xs)
 
   def body(carry, xs):
-    return jax.tree.map(jnp.add, carry, chunk_sums(drafter_params, xs)), None
+    return jax.tree.map(jnp.add, carry, chunk_sums(drafter_params, memory_kv, xs)), None
 
   zeros_n = jnp.zeros((n,), jnp.float32)
+  pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   xs = tuple(None if x is None else chunked(x)
-             for x in (context_BTX, prev_emb_BTnD, targets_BTn, weights_BTn, ce_weights_BTn,
+             for x in (h_BTD, prev_emb_BTnD, targets_BTn, weights_BTn, ce_weights_BTn,
                        teacher_p_BTnV, own_BTn, ranked_BTnK, hint_BTn.token_x,
-                       hint_BTn.length_x))
+                       hint_BTn.length_x, pos_BT, segment_ids_BT))
   (ce_n, top1_n, top5_n, rank_sum_n), _ = jax.lax.scan(body, (zeros_n,) * 4, xs)
   scored_n = jnp.sum(weights_BTn, axis=(0, 1))
   denom_n = jnp.maximum(count_n, 1.0)

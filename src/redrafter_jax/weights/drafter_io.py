@@ -20,8 +20,9 @@ A drafter folder holds ``config.json`` and one unsharded safetensors file in PyT
 
 Our own format, ``redrafter-jax``, holds what the others cannot: the reference's tensors and
 fields plus a multi-layer drafter's ``feature_proj.weight`` ``[D, k*D]`` and ``feature_layers``,
-and the copy hint's ``copy_w.weight``, ``copy_length.weight``, ``copy_gate.*`` and ``copy_ngram``
-in config.json, under ``model_type: "redrafter_jax_drafter"`` (so Apple's loader, which would
+the copy hint's ``copy_w.weight``, ``copy_length.weight``, ``copy_gate.*`` and ``copy_ngram``,
+and the context attention's ``ctx_{key,value,query,out}.weight`` and ``context_attention``,
+``context_heads`` in config.json, under ``model_type: "redrafter_jax_drafter"`` (so Apple's loader, which would
 silently ignore them, refuses the folder instead). The reference, MLX and TensorRT-LLM exports
 refuse a drafter with either option, naming the field.
 
@@ -120,7 +121,9 @@ def name_table(layout: str, num_draft_layers: int) -> NameTable:
                                   Rule("copy_w.kernel", "copy_w.weight", True),
                                   Rule("copy_length", "copy_length.weight"),
                                   Rule("copy_gate.kernel", "copy_gate.weight", True),
-                                  Rule("copy_gate.bias", "copy_gate.bias")])
+                                  Rule("copy_gate.bias", "copy_gate.bias"),
+                                  *[Rule(f"ctx_{n}.kernel", f"ctx_{n}.weight", True)
+                                    for n in ("key", "value", "query", "out")]])
   if layout == "trtllm":
     return _table("trtllm", layers="layers", proj=("input_proj",), head="lm_head",
                   n=num_draft_layers, prefix="drafter.")
@@ -156,8 +159,6 @@ def _config_json(cfg: DrafterConfig, fmt: str, dtype: str) -> dict[str, Any]:
     out.pop("logit_top_k", None)
   if fmt == "redrafter-jax":
     out.update(model_type=OWN_MODEL_TYPE, feature_layers=list(cfg.feature_layers))
-    if cfg.copy_ngram:
-      out["copy_ngram"] = cfg.copy_ngram
   return out
 
 
@@ -304,7 +305,7 @@ def read_config(folder: pathlib.Path) -> tuple[str, dict[str, Any]]:
   model_type = raw.get("model_type", MODEL_TYPE)
   if model_type == OWN_MODEL_TYPE:
     return "redrafter-jax", {k: v for k, v in raw.items() if k not in _REFERENCE_EXTRA_FIELDS}
-  for own in ("feature_layers", "copy_ngram"):
+  for own in DrafterConfig.OWN_OPTIONS:
     if raw.get(own):
       raise ConfigError(f"{path}: {own} (an option beyond the reference drafter) needs "
                         f"model_type {OWN_MODEL_TYPE!r}, the redrafter-jax format")

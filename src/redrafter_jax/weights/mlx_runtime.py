@@ -17,7 +17,10 @@ concatenated layer states ``[B, k*D]`` and projects them first, as ``Drafter.con
 Apple's own MLX code cannot run it (it has no ``feature_proj``). So does a drafter with the copy
 hint (``copy_ngram``): ``beam_search`` then also takes the committed tokens and their lengths,
 and finds each beam's hint over them and the beam's own drafted tokens (``copy_hint``, NumPy, by
-the rule of ``models/context_copy.py``).
+the rule of ``models/context_copy.py``). So does a drafter with the context attention
+(``context_attention``): ``beam_search`` then also takes the LLM's features at every committed
+position (``context_feats_BSX``), builds the memory from them and the committed tokens, and each
+step's query reads the positions below the row's length (``models/context_attention.py``).
 
 Ties in the top-W are broken arbitrarily (MLX's partition), unlike ``lax.top_k``'s lowest index.
 ``mlx`` is imported inside functions, so the package imports without it (``pip install
@@ -90,6 +93,12 @@ def _drafter_class():
         self.copy_w = nn.Linear(D, D, bias=False)
         self.copy_length = nn.Embedding(cfg.copy_ngram + 1, D)
         self.copy_gate = nn.Linear(C, cfg.copy_ngram + 1, bias=True)
+      if cfg.context_attention:
+        A = cfg.context_attention
+        self.ctx_key = nn.Linear(2 * D, A, bias=False)
+        self.ctx_value = nn.Linear(2 * D, A, bias=False)
+        self.ctx_query = nn.Linear(2 * D, A, bias=False)
+        self.ctx_out = nn.Linear(A, C, bias=False)
 
     @property
     def dtype(self):
@@ -116,10 +125,38 @@ def _drafter_class():
         return nn.silu(self.rnn_w(prev_emb_xD) + self.rnn_u(s_xD.astype(self.dtype)) + extra)
       return prev_emb_xD + s_xD.astype(self.dtype) + extra
 
-    def logits(self, h_xD, s_xD, hint=None):
+    def memory_over(self, h_BSD, tokens_BS, next_BS, embed_VD):
+      """The context attention's keys and values ``[B, S, A]``: from h, the token at each
+      position and the one after it."""
+      h_BSD = h_BSD.astype(self.dtype)
+      emb = lambda t: mx.take(embed_VD, t, axis=0).astype(self.dtype)
+      return (self.ctx_key(mx.concatenate([h_BSD, emb(tokens_BS)], axis=-1)),
+              self.ctx_value(mx.concatenate([h_BSD, emb(next_BS)], axis=-1)))
+
+    def read_context(self, h_BWD, s_BWD, memory):
+      """What each beam's state reads of ``memory = (keys_BSA, values_BSA, visible_BS)``."""
+      keys_BSA, values_BSA, visible_BS = memory
+      B, W, _ = h_BWD.shape
+      S, A = keys_BSA.shape[1:]
+      H = self.config.context_heads
+      d = A // H
+      q_BWA = self.ctx_query(mx.concatenate([h_BWD.astype(self.dtype), s_BWD.astype(self.dtype)],
+                                            axis=-1)).astype(mx.float32)
+      heads = lambda x, n: x.astype(mx.float32).reshape(B, n, H, d).transpose(0, 2, 1, 3)
+      q_BHWd, k_BHSd, v_BHSd = heads(q_BWA, W), heads(keys_BSA, S), heads(values_BSA, S)
+      score_BHWS = (q_BHWd @ k_BHSd.transpose(0, 1, 3, 2)) / float(np.sqrt(d))
+      seen_B11S = visible_BS[:, None, None, :]
+      score_BHWS = mx.where(seen_B11S, score_BHWS, -1e30)
+      weight_BHWS = mx.softmax(score_BHWS, axis=-1) * seen_B11S
+      read_BWA = (weight_BHWS @ v_BHSd).transpose(0, 2, 1, 3).reshape(B, W, A)
+      return self.ctx_out(read_BWA.astype(self.dtype))
+
+    def logits(self, h_xD, s_xD, hint=None, memory=None):
       x = mx.concatenate([h_xD.astype(self.dtype), s_xD.astype(self.dtype)], axis=-1)
       if self.config.has_input_proj:
         x = self.input_proj(x)
+      if self.config.context_attention:
+        x = x + self.read_context(h_xD, s_xD, memory)
       for layer in self.lm_head[:-1]:
         x = layer(x)
       logits_xV = self.lm_head[-1](x).astype(mx.float32)
@@ -132,8 +169,8 @@ def _drafter_class():
       at_xV = mx.arange(logits_xV.shape[-1]) == token_x[..., None]
       return logits_xV + mx.where(at_xV, gate_x[..., None], 0.0)
 
-    def log_probs(self, h_xD, s_xD, hint=None):
-      logits_xV = self.logits(h_xD, s_xD, hint)
+    def log_probs(self, h_xD, s_xD, hint=None, memory=None):
+      logits_xV = self.logits(h_xD, s_xD, hint, memory)
       k = self.config.logit_top_k
       if k is not None:
         # The reference's cut: subtract the row max, keep the top-k, the rest to -5e4.
@@ -143,10 +180,10 @@ def _drafter_class():
         logits_xV = mx.where(logits_xV >= kth_x1, logits_xV, REFERENCE_CUT_VALUE)
       return logits_xV - mx.logsumexp(logits_xV, axis=-1, keepdims=True)
 
-    def step(self, h_xD, s_xD, prev_emb_xD, hint=None):
+    def step(self, h_xD, s_xD, prev_emb_xD, hint=None, memory=None):
       """One draft step: ``(log_probs_xV, new_state_xD)``."""
       s_xD = self.recur(s_xD, prev_emb_xD, hint)
-      return self.log_probs(h_xD, s_xD, hint), s_xD
+      return self.log_probs(h_xD, s_xD, hint, memory), s_xD
 
   return MLXDrafter
 
@@ -224,13 +261,16 @@ def copy_hint(text, q: int, max_ngram: int) -> tuple[int, int]:
 
 
 def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
-                beam_length: int, context_BS=None, length_B=None) -> MLXBeamOutput:
+                beam_length: int, context_BS=None, length_B=None,
+                context_feats_BSX=None) -> MLXBeamOutput:
   """Draft ``beam_width`` beams of ``beam_length`` tokens (g0 included) with MLX ops.
 
   ``embed_VD`` is the LLM's input embedding table, ``h_BD`` its last hidden state (after the
   final norm; for a drafter with ``feature_layers``, its concatenated layer states ``[B, k*D]``)
   and ``g0_B`` the token it chose; arrays may be NumPy or MLX. A drafter with ``copy_ngram``
-  also needs ``context_BS`` (NumPy, the committed tokens with g0 at ``length_B``).
+  also needs ``context_BS`` (NumPy, the committed tokens with g0 at ``length_B``); one with
+  ``context_attention`` needs them too, and the LLM's features (as ``h_BD``'s) at the first S
+  positions of each row, ``context_feats_BSX``, S >= every length.
   """
   mx, _ = _mlx()
   W, L = beam_width, beam_length
@@ -238,6 +278,10 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
   if K and (context_BS is None or length_B is None):
     raise ValueError(f"a drafter with copy_ngram={K} drafts from the context: pass context_BS "
                      "and length_B")
+  attends = bool(drafter.config.context_attention)
+  if attends and (context_BS is None or length_B is None or context_feats_BSX is None):
+    raise ValueError("a drafter with context_attention drafts from the committed context: pass "
+                     "context_BS, length_B and context_feats_BSX")
   if W < 1 or L < 2:
     raise ValueError(f"need beam_width >= 1 and beam_length >= 2, got {W}, {L}")
   embed_VD, h_BD = mx.array(embed_VD), mx.array(h_BD)
@@ -249,6 +293,14 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
                      f"fit the drafter (vocab_size={drafter.config.vocab_size}, "
                      f"hidden_size={drafter.config.hidden_size}, context width "
                      f"{drafter.config.context_width})")
+  memory = None
+  if attends:
+    S = context_feats_BSX.shape[1]
+    tokens_BS1 = np.pad(np.asarray(context_BS), ((0, 0), (0, 1)))[:, :S + 1]
+    keys_BSA, values_BSA = drafter.memory_over(
+        drafter.context(mx.array(context_feats_BSX)), mx.array(tokens_BS1[:, :S]),
+        mx.array(tokens_BS1[:, 1:]), embed_VD)
+    memory = (keys_BSA, values_BSA, mx.array(np.arange(S)[None] < np.asarray(length_B)[:, None]))
   h_BD = drafter.context(h_BD)
   D = h_BD.shape[-1]
   score_BW = mx.broadcast_to(
@@ -267,7 +319,7 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
       len_BW = mx.array(np.array([[f[1] for f in row] for row in found], np.int32))
       hint = (tok_BW, len_BW, mx.take(embed_VD, tok_BW, axis=0))
     logp_BWV, s_BWD = drafter.step(h_BWD, s_BWD, mx.take(embed_VD, beams_BWl[..., -1], axis=0),
-                                   hint)
+                                   hint, memory)
     total_BU = (score_BW[..., None] + logp_BWV).reshape(B, W * V)
     # Top-W of W*V, sorted best first (as lax.top_k returns them).
     top_BW = mx.argpartition(-total_BU, kth=W - 1, axis=-1)[:, :W]
