@@ -1,7 +1,6 @@
 """The drafter's attention over the committed context (``DrafterConfig.context_attention``)."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +13,7 @@ from redrafter_jax.models.context_attention import ContextMemory, attend
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.training import losses
 from redrafter_jax.training.grow import grow_as_asked
-from redrafter_jax.weights.drafter_io import load_drafter, save_drafter
-from redrafter_jax.weights.params import flat_params
+from redrafter_jax.weights.drafter_io import save_drafter
 from tests.test_losses import _split
 from tests.tiny_models import TINY_LLM, TINY_VOCAB
 
@@ -166,26 +164,6 @@ def test_grown_drafter_starts_as_it_was_and_learns_to_read():
   with pytest.raises(ConfigError, match="context_attention"):
     grow_as_asked(grown, dataclasses.replace(asked, context_attention=16),
                   {"context_attention"}, last_layer=0, seed=0, source="test")
-
-
-def test_redrafter_jax_format_holds_it_and_the_others_refuse(tmp_path):
-  d = attn_drafter()
-  out = save_drafter(d, tmp_path / "d", format="redrafter-jax")
-  back = load_drafter(out)
-  assert back.config == d.config
-  a, b = flat_params(d), flat_params(back)
-  assert sorted(a) == sorted(b) and "ctx_query.kernel" in a
-  for name in a:
-    np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
-  for fmt in ("reference", "mlx", "trtllm"):
-    with pytest.raises(ConfigError, match=r"cannot hold drafter.context_attention=16"):
-      save_drafter(d, tmp_path / fmt, format=fmt)
-  config = json.loads((out / "config.json").read_text())
-  assert (config["context_attention"], config["context_heads"]) == (16, 2)
-  config["model_type"] = "recurrent_drafting_drafter"
-  (out / "config.json").write_text(json.dumps(config))
-  with pytest.raises(ConfigError, match="context_attention"):
-    load_drafter(out)
 
 
 def test_the_acceptance_bench_scores_as_training_does():

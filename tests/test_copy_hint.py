@@ -3,7 +3,6 @@ drafter's training path and beam search against a step-by-step reference, exactn
 growing a drafter into one with the hint, and the formats that hold or refuse it."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +18,7 @@ from redrafter_jax.models.context_copy import CopyHint, copy_hints, teacher_forc
 from redrafter_jax.models.drafter import Drafter, restrict_vocab
 from redrafter_jax.training import losses
 from redrafter_jax.training.grow import grow_as_asked
-from redrafter_jax.weights.drafter_io import load_drafter, save_drafter
-from redrafter_jax.weights.params import flat_params
+from redrafter_jax.weights.drafter_io import save_drafter
 from tests.test_losses import _split
 from tests.tiny_models import TINY_LLM, TINY_VOCAB, tiny_llm
 
@@ -215,26 +213,6 @@ def test_grown_drafter_starts_as_it_was_and_learns_the_hint():
   with pytest.raises(ConfigError, match="copy_ngram"):
     grow_as_asked(grown, dataclasses.replace(asked, copy_ngram=3), {"copy_ngram"},
                   last_layer=0, seed=0, source="test")
-
-
-def test_redrafter_jax_format_holds_it_and_the_others_refuse(tmp_path):
-  d = copy_drafter(K=3)
-  out = save_drafter(d, tmp_path / "d", format="redrafter-jax")
-  back = load_drafter(out)
-  assert back.config == d.config
-  a, b = flat_params(d), flat_params(back)
-  assert sorted(a) == sorted(b) and "copy_gate.kernel" in a
-  for name in a:
-    np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
-  for fmt in ("reference", "mlx", "trtllm"):
-    with pytest.raises(ConfigError, match=r"cannot hold drafter.copy_ngram=3"):
-      save_drafter(d, tmp_path / fmt, format=fmt)
-  config = json.loads((out / "config.json").read_text())
-  assert config["copy_ngram"] == 3
-  config["model_type"] = "recurrent_drafting_drafter"
-  (out / "config.json").write_text(json.dumps(config))
-  with pytest.raises(ConfigError, match="copy_ngram"):
-    load_drafter(out)
 
 
 def test_mlx_runtime_drafts_the_same_beams(tmp_path):

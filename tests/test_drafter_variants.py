@@ -125,27 +125,37 @@ def test_decode_refuses_layers_the_llm_lacks(llm):
     ReDrafter(llm, feature_drafter(layers=(0, 3)), DecodeConfig())
 
 
-def test_redrafter_jax_format_round_trip_and_other_exporters_refuse(tmp_path):
-  drafter = feature_drafter()
+@pytest.mark.parametrize("option", [dict(feature_layers=LAYERS), dict(copy_ngram=3),
+                                    dict(context_attention=16, context_heads=4)],
+                         ids=lambda o: next(iter(o)))
+def test_redrafter_jax_format_round_trip_and_other_exporters_refuse(tmp_path, option):
+  """Each option beyond the reference drafter: the redrafter-jax format holds it (same config,
+  same tensors), the reference, MLX and TensorRT-LLM exports refuse it naming the option, and a
+  reference config.json that names it is refused rather than read as a reference drafter."""
+  import json
+
+  cfg = DrafterConfig(vocab_size=TINY_VOCAB, hidden_size=LLM3.hidden_size, exit_dim=48, **option)
+  drafter = Drafter(cfg, rngs=nnx.Rngs(1))
   out = save_drafter(drafter, tmp_path / "d", format="redrafter-jax")
   back = load_drafter(out)
   assert back.config == drafter.config
   a, b = flat_params(drafter), flat_params(back)
-  assert sorted(a) == sorted(b) and "feature_proj.kernel" in a
+  assert sorted(a) == sorted(b) and len(a) > len(flat_params(
+      Drafter(DrafterConfig(vocab_size=TINY_VOCAB, hidden_size=LLM3.hidden_size, exit_dim=48),
+              rngs=nnx.Rngs(1))))
   for name in a:
     np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
-  import json
-
   config = json.loads((out / "config.json").read_text())
   assert config["model_type"] == "redrafter_jax_drafter"
-  assert config["feature_layers"] == list(LAYERS)
+  name, value = next(iter(option.items()))
+  assert config[name] == (list(value) if isinstance(value, tuple) else value)
+  said = str(list(value) if isinstance(value, tuple) else value).replace("[", r"\[")
   for fmt in ("reference", "mlx", "trtllm"):
-    with pytest.raises(ConfigError, match=r"cannot hold drafter.feature_layers=\[0, 2\]"):
+    with pytest.raises(ConfigError, match=rf"cannot hold drafter.{name}={said}"):
       save_drafter(drafter, tmp_path / fmt, format=fmt)
-  # A reference config.json that names feature_layers is refused, not read as a reference drafter.
   config["model_type"] = "recurrent_drafting_drafter"
   (out / "config.json").write_text(json.dumps(config))
-  with pytest.raises(ConfigError, match="feature_layers"):
+  with pytest.raises(ConfigError, match=name):
     load_drafter(out)
 
 

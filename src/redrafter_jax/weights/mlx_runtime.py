@@ -343,8 +343,9 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
 
 
 def _llm_inputs(source: str, prompt: str, layers=()):
-  """Embedding table, last hidden state (or the states of ``layers``), g0 and the tokenizer
-  from a base LLM run in JAX."""
+  """Embedding table, the hidden states at every prompt position (or the states of
+  ``layers``, ``[1, T, X]``), g0, the prompt's token ids and the tokenizer from a base LLM run
+  in JAX."""
   import jax.numpy as jnp
 
   from redrafter_jax.models import kv_cache as kvc
@@ -362,7 +363,7 @@ def _llm_inputs(source: str, prompt: str, layers=()):
     _, hidden_BTD, _ = model.forward_layers(tokens_BT, positions_BT, mask_BTT, layers=layers)
   embed_VD = np.asarray(model.embed_tokens.embedding[...], np.float32)
   g0_B = np.asarray(jnp.argmax(logits_BTV[:, -1], axis=-1), np.int32)
-  return embed_VD, np.asarray(hidden_BTD[:, -1], np.float32), g0_B, tok
+  return embed_VD, np.asarray(hidden_BTD, np.float32), g0_B, ids, tok
 
 
 def main(argv=None) -> int:
@@ -386,15 +387,19 @@ def main(argv=None) -> int:
   cfg = drafter.config
   tok = None
   if args.llm:
-    embed_VD, h_BD, g0_B, tok = _llm_inputs(args.llm, args.prompt, cfg.feature_layers)
+    embed_VD, feats_BTX, g0_B, ids, tok = _llm_inputs(args.llm, args.prompt, cfg.feature_layers)
   else:
     rng = np.random.default_rng(args.seed)
     embed_VD = rng.normal(size=(cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
-    h_BD = rng.normal(size=(1, cfg.context_width)).astype(np.float32)
+    ids = rng.integers(0, cfg.vocab_size, 8).tolist()
+    feats_BTX = rng.normal(size=(1, len(ids), cfg.context_width)).astype(np.float32)
     g0_B = np.zeros((1,), np.int32)
+  # What a drafter that reads its context needs: the prompt then g0, and the LLM's features.
+  context = dict(context_BS=np.asarray([ids + [int(g0_B[0])]], np.int32),
+                 length_B=np.asarray([len(ids)], np.int32), context_feats_BSX=feats_BTX)
   start = time.perf_counter()
-  out = beam_search(drafter, embed_VD, h_BD, g0_B, beam_width=args.beam_width,
-                    beam_length=args.beam_length)
+  out = beam_search(drafter, embed_VD, feats_BTX[:, -1], g0_B, beam_width=args.beam_width,
+                    beam_length=args.beam_length, **context)
   ms = 1e3 * (time.perf_counter() - start)
   beams, scores = np.array(out.beams_BWL)[0], np.array(out.score_BW)[0]
   print(f"drafted {args.beam_width} beams x {args.beam_length - 1} tokens in {ms:.1f} ms (MLX)")
