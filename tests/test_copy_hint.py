@@ -220,10 +220,6 @@ def test_mlx_runtime_drafts_the_same_beams(tmp_path):
   from redrafter_jax.weights import mlx_runtime
 
   rng = np.random.default_rng(7)
-  seqs = [list(rng.integers(0, 5, 30)) for _ in range(3)]
-  for seq in seqs:
-    for q in range(30):
-      assert mlx_runtime.copy_hint(seq, q, 3) == brute_hint(seq, q, 3)
   d = copy_drafter(K=3)
   out = save_drafter(d, tmp_path / "d", format="redrafter-jax")
   m = mlx_runtime.load_mlx_drafter(out)

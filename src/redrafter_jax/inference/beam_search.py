@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from redrafter_jax.models.context_attention import ContextMemory
-from redrafter_jax.models.context_copy import CopyHint, copy_hints
+from redrafter_jax.models.context_copy import beam_hints
 from redrafter_jax.models.drafter import Drafter
 
 LOG_ZERO = -5e4  # the reference's log(0) for the initial non-first beams
@@ -54,22 +54,6 @@ def attends_to_context(drafter) -> bool:
   """Whether the drafter reads the committed context's memory (``context_attention``; False
   for drafters without a config)."""
   return bool(getattr(getattr(drafter, "config", None), "context_attention", 0))
-
-
-def beam_hints(context_BS: jax.Array, length_B: jax.Array, beams_BWL: jax.Array, t,
-               max_ngram: int) -> CopyHint:
-  """The copy hint of each beam at its column ``t`` (position ``length + t``): the committed
-  context with the beam's drafted tokens written after g0 (later columns are never read)."""
-  B, W, L = beams_BWL.shape
-  S = context_BS.shape[1]
-  ctx_BWS = jnp.broadcast_to(context_BS[:, None, :], (B, W, S))
-  idx_BWJ = jnp.broadcast_to(length_B[:, None, None] + 1 + jnp.arange(L - 1)[None, None, :],
-                             (B, W, L - 1))
-  ctx_BWS = ctx_BWS.at[jnp.arange(B)[:, None, None], jnp.arange(W)[None, :, None],
-                       idx_BWJ].set(beams_BWL[:, :, 1:], mode="drop")
-  query_BW1 = jnp.broadcast_to((length_B + t)[:, None, None], (B, W, 1))
-  hint = copy_hints(ctx_BWS, query_BW1, max_ngram=max_ngram)
-  return jax.tree.map(lambda a: a[..., 0], hint)
 
 
 def beam_search(drafter: Drafter, embed_VD: jax.Array, h_BD: jax.Array, g0_B: jax.Array, *,

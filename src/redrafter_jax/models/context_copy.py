@@ -97,3 +97,19 @@ def teacher_forced_hints(tokens_BT: jax.Array, num_steps: int, *, max_ngram: int
   inside_1Tn = (idx_Tn < T)[None]
   pick = lambda x_BT: jnp.where(inside_1Tn, x_BT[:, jnp.minimum(idx_Tn, T - 1)], 0)
   return CopyHint(token_x=pick(hint.token_x), length_x=pick(hint.length_x))
+
+
+def beam_hints(context_BS: jax.Array, length_B: jax.Array, beams_BWL: jax.Array, t,
+               max_ngram: int) -> CopyHint:
+  """The copy hint of each beam at its column ``t`` (position ``length + t``): the committed
+  context with the beam's drafted tokens written after g0 (later columns are never read)."""
+  B, W, L = beams_BWL.shape
+  S = context_BS.shape[1]
+  ctx_BWS = jnp.broadcast_to(context_BS[:, None, :], (B, W, S))
+  idx_BWJ = jnp.broadcast_to(length_B[:, None, None] + 1 + jnp.arange(L - 1)[None, None, :],
+                             (B, W, L - 1))
+  ctx_BWS = ctx_BWS.at[jnp.arange(B)[:, None, None], jnp.arange(W)[None, :, None],
+                       idx_BWJ].set(beams_BWL[:, :, 1:], mode="drop")
+  query_BW1 = jnp.broadcast_to((length_B + t)[:, None, None], (B, W, 1))
+  hint = copy_hints(ctx_BWS, query_BW1, max_ngram=max_ngram)
+  return jax.tree.map(lambda a: a[..., 0], hint)

@@ -16,8 +16,8 @@ plus ``feature_proj.weight``) loads and runs too: ``beam_search`` then takes the
 concatenated layer states ``[B, k*D]`` and projects them first, as ``Drafter.context`` does.
 Apple's own MLX code cannot run it (it has no ``feature_proj``). So does a drafter with the copy
 hint (``copy_ngram``): ``beam_search`` then also takes the committed tokens and their lengths,
-and finds each beam's hint over them and the beam's own drafted tokens (``copy_hint``, NumPy, by
-the rule of ``models/context_copy.py``). So does a drafter with the context attention
+and finds each beam's hint over them and the beam's own drafted tokens with the function JAX
+decoding uses (``context_copy.beam_hints``). So does a drafter with the context attention
 (``context_attention``): ``beam_search`` then also takes the LLM's features at every committed
 position (``context_feats_BSX``), builds the memory from them and the committed tokens, and each
 step's query reads the positions below the row's length (``models/context_attention.py``).
@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from redrafter_jax.config import DrafterConfig
+from redrafter_jax.models.context_copy import beam_hints
 from redrafter_jax.models.drafter import REFERENCE_CUT_VALUE
 from redrafter_jax.weights import drafter_io
 from redrafter_jax.weights.naming import WeightsError
@@ -241,25 +242,6 @@ class MLXBeamOutput:
   score_BW: object  # float32, beam scores (sum of logp_BWJ, no length normalisation)
 
 
-def copy_hint(text, q: int, max_ngram: int) -> tuple[int, int]:
-  """``(token, match length)``: the token after the latest earlier occurrence of the longest
-  suffix (<= ``max_ngram``) of ``text[:q + 1]``; ``(0, 0)`` where ``text[q]`` never occurred
-  before (``models/context_copy.py``'s rule, for one query)."""
-  seq = np.asarray(text[:q + 1])
-  length_e = np.zeros(q, np.int64)
-  alive_e = np.ones(q, bool)
-  for k in range(min(max_ngram, q + 1)):
-    e = np.arange(q)
-    ok = alive_e & (e - k >= 0)
-    ok[ok] = seq[e[ok] - k] == seq[q - k]
-    alive_e = ok
-    length_e += alive_e
-  if q == 0 or length_e.max() == 0:
-    return 0, 0
-  best = max(range(q), key=lambda e: (length_e[e], e))
-  return int(seq[best + 1]), int(length_e[best])
-
-
 def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
                 beam_length: int, context_BS=None, length_B=None,
                 context_feats_BSX=None) -> MLXBeamOutput:
@@ -311,12 +293,12 @@ def beam_search(drafter, embed_VD, h_BD, g0_B, *, beam_width: int,
   s_BWD = drafter.init_state(h_BWD)
   for t in range(L - 1):
     hint = None
-    if K:
-      beams = np.array(beams_BWl)
-      found = [[copy_hint(list(context_BS[b][:length_B[b] + 1]) + list(beams[b, w, 1:]),
-                          int(length_B[b]) + t, K) for w in range(W)] for b in range(B)]
-      tok_BW = mx.array(np.array([[f[0] for f in row] for row in found], np.int32))
-      len_BW = mx.array(np.array([[f[1] for f in row] for row in found], np.int32))
+    if K:  # the hints JAX decoding reads, by the same function (its later columns unread)
+      beams_BWL = np.zeros((B, W, L), np.int32)
+      beams_BWL[:, :, :t + 1] = np.array(beams_BWl)
+      found = beam_hints(np.asarray(context_BS), np.asarray(length_B), beams_BWL, t, K)
+      tok_BW = mx.array(np.asarray(found.token_x))
+      len_BW = mx.array(np.asarray(found.length_x))
       hint = (tok_BW, len_BW, mx.take(embed_VD, tok_BW, axis=0))
     logp_BWV, s_BWD = drafter.step(h_BWD, s_BWD, mx.take(embed_VD, beams_BWl[..., -1], axis=0),
                                    hint, memory)
