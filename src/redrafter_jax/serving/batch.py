@@ -43,8 +43,8 @@ from flax import struct
 from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.inference import lookup, sampling
 from redrafter_jax.inference import step as step_lib
-from redrafter_jax.inference.runtime import empty_output, forward_for_drafter, prefill, record
 from redrafter_jax.inference.beam_search import attends_to_context
+from redrafter_jax.inference.runtime import empty_output, forward_for_drafter, prefill, record
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.context_attention import MemoryCache
 from redrafter_jax.models.drafter import Drafter
