@@ -277,9 +277,10 @@ def test_readme_export_route_runs_the_shipped_drafter_in_mlx(tmp_path, capsys):
                    "--out", str(out)]) == 0
   m = mlx_runtime.load_mlx_drafter(out)
   assert m.config.feature_layers == (2, 15, 27)
-  embed_VD, h_BD, g0_B, tok = mlx_runtime._llm_inputs("smollm2-135m", "Why is the sky blue?",
-                                                      m.config.feature_layers)
-  assert h_BD.shape == (1, 3 * 576)
+  embed_VD, feats_BTX, g0_B, ids, _ = mlx_runtime._llm_inputs(
+      "smollm2-135m", "Why is the sky blue?", m.config.feature_layers)
+  assert feats_BTX.shape == (1, len(ids), 3 * 576)
+  h_BD = feats_BTX[:, -1]
   W, L = 4, 5
   got = mlx_runtime.beam_search(m, embed_VD, h_BD, g0_B, beam_width=W, beam_length=L)
   drafter = load_drafter(shipped)  # JAX's beam search takes the context: project the states
