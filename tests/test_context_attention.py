@@ -166,14 +166,17 @@ def test_grown_drafter_starts_as_it_was_and_learns_to_read():
                   {"context_attention"}, last_layer=0, seed=0, source="test")
 
 
-def test_the_acceptance_bench_scores_as_training_does():
+@pytest.mark.parametrize("attention", [False, True], ids=["copy_hint", "copy_hint+attention"])
+def test_the_acceptance_bench_scores_as_training_does(attention):
   """``bench acceptance``'s drafter call gives, at every position, the logits the training path
-  gives there (the same memory, the same copy hints), for a drafter with both options."""
+  gives there (the same copy hints and, with the context attention, the same memory), for a
+  drafter with the copy hint alone and one with both options."""
   from redrafter_jax.bench import acceptance
   from redrafter_jax.models.context_attention import causal_visible
   from redrafter_jax.models.context_copy import teacher_forced_hints
+  from tests.test_copy_hint import copy_drafter
 
-  d = attn_drafter(copy_ngram=2)
+  d = attn_drafter(copy_ngram=2) if attention else copy_drafter(K=2)
   rng = np.random.default_rng(9)
   T, n = 24, 3
   seq = rng.integers(0, 5, T).astype(np.int32)
@@ -186,8 +189,10 @@ def test_the_acceptance_bench_scores_as_training_does():
                                          h_TD)
   seq_1T, one_1T = jnp.asarray(seq)[None], jnp.ones((1, T), jnp.int32)
   hint = teacher_forced_hints(seq_1T, n, max_ngram=2)
-  keys, values = d.memory_over(h_TD[None], seq_1T, emb)
-  memory = ContextMemory(keys, values, causal_visible(jnp.arange(T)[None], one_1T, one_1T))
+  memory = None
+  if attention:
+    keys, values = d.memory_over(h_TD[None], seq_1T, emb)
+    memory = ContextMemory(keys, values, causal_visible(jnp.arange(T)[None], one_1T, one_1T))
   prev_1TnD = jnp.take(emb, losses.future_window(seq_1T, 1, n), axis=0)
   want = d.unroll_logits(h_TD[None], prev_1TnD, None, emb, hint, memory)[0, starts]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -239,24 +239,3 @@ def test_mlx_runtime_drafts_the_same_beams(tmp_path):
   np.testing.assert_allclose(np.array(got.logp_BWJ), np.asarray(want.logp_BWJ), atol=1e-3)
   with pytest.raises(ValueError, match="context_BS"):
     mlx_runtime.beam_search(m, emb, h, g0, beam_width=W, beam_length=L)
-
-
-def test_the_acceptance_bench_scores_a_copy_drafter_as_training_does():
-  """``bench acceptance``'s one drafter call gives, at every position, the logits the training
-  path gives there (the same hints over the same tokens)."""
-  from redrafter_jax.bench import acceptance
-
-  d = copy_drafter(K=3)
-  rng = np.random.default_rng(9)
-  T, n = 24, 3
-  seq = rng.integers(0, 5, T).astype(np.int32)
-  emb = jnp.asarray(rng.normal(size=(TINY_VOCAB, D)).astype(np.float32))
-  h_TD = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
-  starts = np.arange(2, T - n - 1)
-  prev_xnD = emb[seq[starts[:, None] + 1 + np.arange(n)]]
-  tokens_xT = np.broadcast_to(seq[None], (starts.size, T))
-  got = acceptance.teacher_forced_logits(d, h_TD[starts], prev_xnD, tokens_xT, starts, emb)
-  hint = teacher_forced_hints(jnp.asarray(seq)[None], n, max_ngram=3)
-  prev_1TnD = jnp.take(emb, losses.future_window(jnp.asarray(seq)[None], 1, n), axis=0)
-  want = d.unroll_logits(h_TD[None], prev_1TnD, None, emb, hint)[0, starts]
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
