@@ -88,6 +88,11 @@ def forward_for_drafter(model: Llama, tokens_BT, positions_BT, mask_BTS, cache: 
   return hidden_BTD, hidden_BTD, cache
 
 
+def at_last(x_BTX, lengths_B):
+  """Each row's entry at its last position (``lengths_B - 1``): ``[B, X]``."""
+  return jnp.take_along_axis(x_BTX, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+
+
 def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tuple[int, ...] = (),
             every_position: bool = False):
   """Run the prompts; returns logits and hidden at each row's last prompt token, and the cache.
@@ -99,11 +104,10 @@ def prefill(model: Llama, tokens_BT, lengths_B, cache: kvc.KVCache, layers: tupl
   positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   valid_BT = positions_BT < lengths_B[:, None]
   mask_BTS = kvc.visible_mask(cache.lengths_B, kvc.causal_mask(valid_BT), cache.size)
-  last = lambda x_BTX: jnp.take_along_axis(x_BTX, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   hidden_BTD, feats_BTX, cache = forward_for_drafter(model, tokens_BT, positions_BT, mask_BTS,
                                                      cache, layers)
-  feats = feats_BTX if every_position else last(feats_BTX)
-  return model.logits(last(hidden_BTD)), feats, kvc.advance(cache, lengths_B)
+  feats = feats_BTX if every_position else at_last(feats_BTX, lengths_B)
+  return model.logits(at_last(hidden_BTD, lengths_B)), feats, kvc.advance(cache, lengths_B)
 
 
 @struct.dataclass

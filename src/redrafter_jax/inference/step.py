@@ -24,8 +24,8 @@ from redrafter_jax.inference import tree as tree_lib
 from redrafter_jax.inference import verify as verify_lib
 from redrafter_jax.inference.beam_search import (BeamOutput, attends_to_context, beam_search,
                                                  copy_ngram_of)
-from redrafter_jax.inference.runtime import (Output, empty_output, forward_for_drafter, prefill,
-                                            record)
+from redrafter_jax.inference.runtime import (Output, at_last, empty_output, forward_for_drafter,
+                                            prefill, record)
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.context_attention import MemoryCache
 from redrafter_jax.models.drafter import Drafter
@@ -116,7 +116,7 @@ def init(llm: Llama, tokens_BT, lengths_B, params: sampling.SamplingParams, rng,
                                    every_position=attends)
   if attends:
     feats_BTX = h_BD
-    h_BD = jnp.take_along_axis(feats_BTX, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    h_BD = at_last(feats_BTX, lengths_B)
   rng, key = jax.random.split(rng)
   if greedy:
     g0_B = sampling.greedy_tokens(logits_BV)

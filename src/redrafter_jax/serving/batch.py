@@ -44,7 +44,8 @@ from redrafter_jax.config import DecodeConfig, LlamaConfig
 from redrafter_jax.inference import lookup, sampling
 from redrafter_jax.inference import step as step_lib
 from redrafter_jax.inference.beam_search import attends_to_context
-from redrafter_jax.inference.runtime import empty_output, forward_for_drafter, prefill, record
+from redrafter_jax.inference.runtime import (at_last, empty_output, forward_for_drafter, prefill,
+                                            record)
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.context_attention import MemoryCache
 from redrafter_jax.models.drafter import Drafter
@@ -114,7 +115,7 @@ def admit(llm: Llama, batch: SlotBatch, slots_k, tokens_kT, lengths_k, seed_lo_k
                                   every_position=attends)
   if attends:
     feats_kTX = h_kD
-    h_kD = jnp.take_along_axis(feats_kTX, (lengths_k - 1)[:, None, None], axis=1)[:, 0]
+    h_kD = at_last(feats_kTX, lengths_k)
   params_k = sampling.SamplingParams.make(k, temperature_k, top_p_k, top_k_k)
   rng_k2 = jax.vmap(lambda lo, hi: jax.random.split(request_key(lo, hi)))(seed_lo_k, seed_hi_k)
   draw = lambda f: lambda: jax.vmap(lambda key, lp_V: sampling.sample(key, lp_V[None])[0])(
