@@ -35,9 +35,10 @@ def dry_run(profile: str, repo: pathlib.Path, *, budget_s: int = 900, keep: path
     size = len(tar_payload(pack))
     base = Limits()
     # The real per-call limit leaves the tiny payload room to spare; shrink it so the payload
-    # takes CALLS calls, as the real model's does.
-    limits = dataclasses.replace(base, call_bytes=tree_bytes(repo) + base.margin_bytes
-                                 + 64 * 1024 + -(-size // CALLS))
+    # takes CALLS calls, as the real model's does. The lease's device time is ``budget_s``.
+    limits = dataclasses.replace(base, lease_seconds=budget_s,
+                                 call_bytes=tree_bytes(repo) + base.margin_bytes + 64 * 1024
+                                 + -(-size // CALLS))
     plan = make_plan(repo, pack, profile, limits=limits, budget_s=budget_s, size="tiny",
                      stage=stage)
     log(plan.describe(limits))
