@@ -107,12 +107,28 @@ def test_dominated_groups_are_those_a_larger_bucket_beats_in_every_mode_and_kind
         assert cost(pruned) == cost(full), (c, tps, rows, full, pruned)
 
 
-def test_plan_without_measurements_keeps_the_engines_mode():
+def test_plan_without_a_cost_table_keeps_the_engines_mode():
   tps = {"ar": 1.0, "spec": 1.0}
   assert policy.plan(3, "greedy", None, tps, MODES, [1, 2, 4, 8]) == (4, "spec")
-  # The kind asked for was not measured: no guess.
-  costs = table(ar={8: 0.01}, spec={8: 1.0}, kind="greedy")
-  assert policy.plan(8, "sampled", costs, tps, MODES, [8]) == (8, "spec")
+
+
+def test_only_what_was_timed_competes_and_ar_is_the_default():
+  """A candidate the table does not price never beats one it does, however cheap its tokens
+  would be; with nothing priced for the step's kind, AR at the smallest bucket."""
+  tps = {"ar": 1.0, "spec": 4.0}
+  costs = table(ar={8: 0.04}, spec={8: 0.05}, kind="greedy")
+  # The sampled kind was never timed: AR, not the tree.
+  assert policy.plan(8, "sampled", costs, tps, MODES, [8]) == (8, "ar")
+  assert policy.plan(3, "sampled", costs, tps, MODES, [4, 8]) == (4, "ar")
+  # Only AR timed at 8 rows: AR, although the tree would give 4 tokens a step.
+  only_ar = table(ar={8: 0.04}, spec={})
+  assert policy.plan(8, "greedy", only_ar, tps, MODES, [8]) == (8, "ar")
+  # The tree timed at the 8-row bucket only: it competes there, the unpriced 4-row bucket
+  # does not: the tree at 8 rows.
+  partial = table(ar={}, spec={8: 0.05})
+  assert policy.plan(3, "greedy", partial, tps, MODES, [4, 8]) == (8, "spec")
+  # Both priced: the usual choice (4 tokens for 0.05 s beats 1 for 0.04 s).
+  assert policy.plan(8, "greedy", costs, tps, MODES, [8]) == (8, "spec")
   assert policy.plan(8, "greedy", costs, tps, ("ar",), [8]) == (8, "ar")
 
 

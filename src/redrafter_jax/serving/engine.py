@@ -309,7 +309,7 @@ class Engine:
     (``Placement.cover_programs``: any request can be served, padded to larger programs), time
     it between requests, and compile the rest on a background thread from ``start`` on, each
     group of steps taken into use once compiled and timed (``_adopt_compiled``; until the
-    policy has timings it runs the tree); otherwise everything now, so no request ever waits
+    policy has timings it runs AR); otherwise everything now, so no request ever waits
     for a compile. Each program's compile is logged with its seconds; ``progress(done,
     total, what, seconds)`` also hears of it (the server's start-up: ``lifecycle.Startup``)."""
     if self._thread is not None:

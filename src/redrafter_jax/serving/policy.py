@@ -10,9 +10,9 @@ the mode with the most tokens per second per row:
 
 with ``seconds`` measured on the device at hand (``Engine.warmup`` times every compiled step)
 and ``tokens_per_step`` 1 for AR and, for ReDrafter, the acceptance observed so far (started
-from a prior). Greedy outputs do not depend on the choice: both modes emit the LLM's argmax
-tokens. Everything here is a pure function of its inputs (deterministic, testable with a fake
-cost table).
+from a prior). Only what was timed competes: a step no one timed runs AR. Greedy outputs do not
+depend on the choice: both modes emit the LLM's argmax tokens. Everything here is a pure
+function of its inputs (deterministic, testable with a fake cost table).
 """
 
 from __future__ import annotations
@@ -46,23 +46,35 @@ def kind_of(filtered: bool, greedy: bool) -> str:
 def plan(rows: int, kind: str, seconds: Mapping[tuple[int, str, str], float] | None,
          tokens_per_step: Mapping[str, float], modes: Sequence[str],
          buckets: Sequence[int]) -> tuple[int, str]:
-  """The (rows bucket, mode) giving ``rows`` live rows the most tokens per second: any bucket
-  in ``buckets`` that holds them (a larger one can cost less: on XLA:CPU the all-slots bucket
-  gathers no rows) and any mode in ``modes``. With no measurement (``seconds`` None or missing
-  a candidate), the smallest bucket and the last mode (the engine's own: the tree when it has a
-  drafter). Ties go to the smaller bucket, then the earlier mode (AR: the cheaper program)."""
+  """The (rows bucket, mode) giving ``rows`` live rows the most tokens per second.
+
+  Args:
+    rows: the live rows.
+    kind: the step's sampling kind (``KINDS``).
+    seconds: seconds per step by (rows bucket, mode, kind), or None when the engine keeps no
+      cost table (it was not timed): then the smallest bucket and the last mode (the engine's
+      own: the tree when it has a drafter).
+    tokens_per_step: tokens per step per row of each mode.
+    modes: the modes to choose from, AR first.
+    buckets: the rows buckets; any that holds ``rows`` competes (a larger one can cost less:
+      on XLA:CPU the all-slots bucket gathers no rows).
+
+  Returns:
+    The cheapest (bucket, mode) per token among those ``seconds`` prices: a candidate whose
+    cost was never measured is not chosen over one that was, and with none priced (this kind
+    never timed) the smallest bucket runs the first mode, AR, the safe default. Ties go to the
+    smaller bucket, then the earlier mode (AR: the cheaper program).
+  """
   fits = sorted(b for b in buckets if b >= rows)
   if not fits:
     raise ValueError(f"no rows bucket in {sorted(buckets)} holds {rows} rows")
-  if not seconds or any((b, m, kind) not in seconds for b in fits for m in modes):
+  if seconds is None:
     return fits[0], modes[-1]
-  best = None
-  for b in fits:
-    for m in modes:
-      cost = max(seconds[b, m, kind], 1e-9) / tokens_per_step[m]  # seconds per token per row
-      if best is None or cost < best[0]:
-        best = (cost, b, m)
-  return best[1], best[2]
+  priced = [(b, m) for b in fits for m in modes if (b, m, kind) in seconds]
+  if not priced:
+    return fits[0], modes[0]
+  # seconds per token per row; min keeps the first of equals (smaller bucket, earlier mode)
+  return min(priced, key=lambda bm: max(seconds[bm[0], bm[1], kind], 1e-9) / tokens_per_step[bm[1]])
 
 
 def dominated(seconds: Mapping[tuple[int, str, str, int], float]) -> set[tuple[int, int]]:
