@@ -408,13 +408,17 @@ def test_real_run_prints_one_row_per_category(spec_bench_path, tmp_path, capsys)
   for line in scores[2:]:
     cells = line.strip("| ").split(" | ")
     assert int(cells[1]) > 0
-    assert cells[2:5] == cells[5:8]  # the same drafter twice scores the same
+    # per drafter: top-1 s1, top-1 s2, W=1 run, s1 or rule; the same drafter twice scores the same
+    assert cells[2:6] == cells[6:10]
     assert all(0.0 <= float(c) <= 1.0 for c in cells[2:4]) and 1.0 <= float(cells[4]) <= 5.0
+    assert float(cells[2]) <= float(cells[5]) <= 1.0  # or the rule: at least the drafter's
   for line in differences[2:]:
-    assert line.count("+0.000 [+0.000, +0.000]") == 3
+    assert line.count("+0.000 [+0.000, +0.000]") == 4
   for line in copying[2:]:
     cells = line.strip("| ").split(" | ")
     assert cells[4:8] == cells[8:12] and cells[4] == scores[copying.index(line)].split(" | ")[2]
+    # the copy table's "either" is the scores table's "s1 or rule"
+    assert cells[5] == scores[copying.index(line)].split(" | ")[5]
 
 
 def _tables(text: str) -> list[list[str]]:

@@ -34,7 +34,8 @@ NEGATIVE_NUMBER = re.compile(r"-\d")
 
 
 def documents() -> list[pathlib.Path]:
-  return [README, *sorted((REPO / "docs").glob("*.md")), REPO / "results" / "README.md"]
+  return [README, *sorted((REPO / "docs").glob("*.md")), REPO / "results" / "README.md",
+          REPO / "checkpoints" / "README.md", REPO / "results" / "drafter-stages.md"]
 
 
 def command_documents() -> list[pathlib.Path]:

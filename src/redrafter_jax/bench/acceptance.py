@@ -34,14 +34,16 @@ exactly and in minutes on a CPU::
       --drafter shipped --drafter runs/drafter_v1 --out runs/acceptance_v1
 
 With two or more drafters it gives, per category and overall, the difference of each against
-the first at step-1 and step-2 top-1 and the W=1 run, with a paired bootstrap 95% interval
+the first at step-1 and step-2 top-1, the W=1 run and step 1 "or rule" (the drafter's top-1 or
+the copy rule right: what a tree that also holds the lookup beam accepts at step 1; the number
+to compare for drafters decoded with ``lookup_ngram``), with a paired bootstrap 95% interval
 (``paired_bootstrap``: answers are resampled, not positions, since the positions of one answer
 are correlated). It also joins every position with the copy rule (``copy_rule``: the token that
 followed the latest earlier occurrence of the current two tokens in prompt + answer): the
-rule's hit rate, the share of positions where the drafter or the rule is right (the ceiling of
-a drafter that knew when to copy), how much of it each drafter captures and its hit rate where
-the rule is right. ``--out DIR`` writes ``report.md``, ``scores.json`` and ``positions.npz``
-(every position: category, answer, position, target, each drafter's step-1 hit, the rule).
+rule's hit rate, the share of positions where the drafter or the rule is right, how much of it
+the drafter alone captures and its hit rate where the rule is right. ``--out DIR`` writes
+``report.md``, ``scores.json`` and ``positions.npz`` (every position: category, answer,
+position, target, each drafter's step-1 hit, the rule).
 
 Generating answers (``--prompts``) is most of a run's time; ``--answers`` keeps them in a JSONL
 file keyed by model, prompt tokens and answer length, so later runs only score.
@@ -447,10 +449,13 @@ def score_answers(llm, drafters, answers, n: int, beams: int = 0,
 
 def metric_values(scored: Scored, L: int) -> dict[str, np.ndarray]:
   """The per-position values ``[K, N]`` whose means the bench reports and compares: top-1 at
-  steps 1 and 2, and the W=1 run at L."""
+  steps 1 and 2, the W=1 run at L, and step 1 "or rule": the drafter's top-1 or the copy rule
+  is the target, what a tree that also holds the context-lookup beam can accept at step 1 (a
+  drafter that only learns to copy where the rule already does gains top-1, not this)."""
   hits_KNn = scored.hits_KNn
   out = {f"top-1 s{i + 1}": hits_KNn[:, :, i] for i in range(min(hits_KNn.shape[2], 2))}
   out[f"W=1 run L={L}"] = np.stack([runs(h, L) for h in hits_KNn])
+  out["s1 or rule"] = hits_KNn[:, :, 0] | scored.rule_hit_N[None]
   return out
 
 
@@ -518,7 +523,7 @@ def markdown(summary: dict[str, dict], n_drafters: int) -> str:
   for cat, row in summary.items():
     cells = [label(cat), str(row["positions"])]
     for d in row["drafters"]:
-      cells += [f"{d[c]:.2f}" if "run" in c else f"{d[c]:.3f}" for c in cols]
+      cells += [f"{d[c]:.2f}" if " run " in c else f"{d[c]:.3f}" for c in cols]
     lines.append("| " + " | ".join(cells) + " |")
   if n_drafters > 1:
     diff_names = list(summary["all"]["differences"][0])
