@@ -4,8 +4,10 @@ seeds, bad input, queue limit, disconnects, metrics, and a small load test."""
 
 import concurrent.futures as cf
 import json
+import sys
 import threading
 import time
+import traceback
 
 import httpx
 import jax
@@ -240,11 +242,19 @@ def test_error_messages_name_the_field():
 
 
 def _wait(predicate, timeout=120.0, state=lambda: ""):
-  """Poll until ``predicate()``; on timeout fail with ``state()`` (what the test saw)."""
+  """Poll until ``predicate()``; on timeout fail with ``state()`` (what the test saw) and where
+  every thread of the process stood (a request that never reached the queue once hung here on
+  CI's loaded machine, 2026-12-07, and passed alone: the stacks name where it waits)."""
   deadline = time.monotonic() + timeout
   while not predicate():
-    assert time.monotonic() < deadline, f"timed out {state()}"
+    assert time.monotonic() < deadline, f"timed out {state()}\n{_thread_stacks()}"
     time.sleep(0.05)
+
+
+def _thread_stacks() -> str:
+  names = {t.ident: t.name for t in threading.enumerate()}
+  return "\n".join(f"--- thread {names.get(ident, ident)}:\n" + "".join(
+      traceback.format_stack(frame)[-8:]) for ident, frame in sys._current_frames().items())
 
 
 def _health(url):
