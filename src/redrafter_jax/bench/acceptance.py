@@ -523,7 +523,7 @@ def markdown(summary: dict[str, dict], n_drafters: int) -> str:
   for cat, row in summary.items():
     cells = [label(cat), str(row["positions"])]
     for d in row["drafters"]:
-      cells += [f"{d[c]:.2f}" if " run " in c else f"{d[c]:.3f}" for c in cols]
+      cells += [f"{d[c]:.2f}" if "run" in c else f"{d[c]:.3f}" for c in cols]
     lines.append("| " + " | ".join(cells) + " |")
   if n_drafters > 1:
     diff_names = list(summary["all"]["differences"][0])
