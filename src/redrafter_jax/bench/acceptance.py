@@ -493,7 +493,7 @@ def summarize(scored: Scored, L: int, beams: int = 0, *, resamples: int = BOOTST
                           for k in range(1, scored.hits_KNn.shape[0])]
     hit_KN, fires, rule = scored.hits_KNn[:, mask, 0], scored.rule_fires_N[mask], \
         scored.rule_hit_N[mask]
-    either_KN = hit_KN | rule[None]
+    either_KN = values["s1 or rule"][:, mask]
     row["copy_rule"] = {
         "fires": float(fires.mean()), "hit": float(rule.mean()),
         "hit_where_fires": float(rule.sum() / max(fires.sum(), 1)),
