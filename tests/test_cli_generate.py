@@ -28,12 +28,12 @@ def cli(capsys, *argv):
 
 def expected_text(folder, prompt, chat=False, param_dtype=None, **kwargs):
   """What the library generates with the weights ``generate`` loads by default (no drafter:
-  "auto", ``inference.defaults.weights_dtype``)."""
+  "auto", ``weights.param_dtype.weights_dtype``)."""
   import jax.numpy as jnp
 
-  from redrafter_jax.inference.defaults import weights_dtype
+  from redrafter_jax.weights.param_dtype import weights_dtype
 
-  model, _ = load_llama(folder, param_dtype=jnp.dtype(param_dtype or weights_dtype()))
+  model, _ = load_llama(folder, param_dtype=jnp.dtype(param_dtype or weights_dtype("auto")))
   tok = load_tokenizer(folder)
   ids = encode(tok, prompt, chat=chat)
   stop = stop_token_ids(tok)
@@ -315,7 +315,7 @@ def test_flags_override_the_recorded_settings(folder, recorded_drafter, used, ca
 
 
 def test_without_decode_json_the_library_defaults_apply(folder, drafter_folder, used, capsys):
-  from redrafter_jax.inference.defaults import weights_dtype
+  from redrafter_jax.weights.param_dtype import weights_dtype
 
   rc, _, err = cli(capsys, "--model", folder, "--prompt", "w1", "--max-new-tokens", 4,
                    "--runs", 1, "--drafter", drafter_folder)
@@ -323,8 +323,8 @@ def test_without_decode_json_the_library_defaults_apply(folder, drafter_folder, 
   (cfg,) = used["configs"]
   assert (cfg.beam_width, cfg.beam_length, cfg.lookup_ngram, cfg.draft_vocab_size) == (4, 5, 0, 0)
   assert "(tree: the library's default)" in settings_line(err)
-  # a drafter that records no weights: param_dtype_for's float32, as the server loads it
-  assert used["param_dtypes"] == [weights_dtype(drafter_folder)] == ["float32"]
+  # a drafter that records no weights: float32, as the server loads it
+  assert used["param_dtypes"] == [weights_dtype(drafter=drafter_folder)] == ["float32"]
 
 
 def test_param_dtype_auto_is_the_platforms_choice(folder, used, capsys):

@@ -129,8 +129,8 @@ def test_the_loss_never_reads_the_future():
   emb = rng.normal(size=(TINY_VOCAB, D)).astype(np.float32)
   h = rng.normal(size=(B, T, D)).astype(np.float32)
   run = lambda tok, hid: float(losses.distill_loss(
-      of, params, jnp.asarray(hid), jnp.asarray(emb), jnp.asarray(tok), jnp.asarray(mask),
-      jnp.asarray(seg), num_steps=n, chunk=4)[0])
+      of, params, losses.LossBatch(*map(jnp.asarray, (hid, emb, tok, mask, seg))),
+      losses.LossConfig(num_steps=n, chunk=4))[0])
   base = run(tokens, h)
   # Positions t <= 5 read h and keys at j <= 5 and tokens up to t + 1 + n - 1 + 1 = 8 (the
   # targets) and values' next tokens up to 6; everything from 9 on may change freely.
@@ -151,14 +151,14 @@ def test_grown_drafter_starts_as_it_was_and_learns_to_read():
   grown = grow_as_asked(old, asked, {"context_attention", "context_heads"}, last_layer=0, seed=0,
                         source="test")
   tokens, mask, seg, hidden, emb = map(jnp.asarray, _example())
+  batch = losses.LossBatch(hidden, emb, tokens, mask, seg)
   a_of, a = _split(old)
   b_of, b = _split(grown)
-  kw = dict(num_steps=3, chunk=4)
-  loss_a, _ = losses.distill_loss(a_of, a, hidden, emb, tokens, mask, seg, **kw)
-  loss_b, _ = losses.distill_loss(b_of, b, hidden, emb, tokens, mask, seg, **kw)
+  cfg = losses.LossConfig(num_steps=3, chunk=4)
+  loss_a, _ = losses.distill_loss(a_of, a, batch, cfg)
+  loss_b, _ = losses.distill_loss(b_of, b, batch, cfg)
   assert float(loss_b) == pytest.approx(float(loss_a), rel=1e-6)
-  grads = jax.grad(lambda p: losses.distill_loss(b_of, p, hidden, emb, tokens, mask, seg,
-                                                 **kw)[0])(b)
+  grads = jax.grad(lambda p: losses.distill_loss(b_of, p, batch, cfg)[0])(b)
   flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(grads)}
   assert float(jnp.abs(flat["ctx_out.kernel"].get_value()).sum()) > 0
   with pytest.raises(ConfigError, match="context_attention"):

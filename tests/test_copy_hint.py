@@ -200,13 +200,14 @@ def test_grown_drafter_starts_as_it_was_and_learns_the_hint():
   asked = dataclasses.replace(old.config, copy_ngram=2)
   grown = grow_as_asked(old, asked, {"copy_ngram"}, last_layer=0, seed=0, source="test")
   tokens, mask, seg, hidden, emb = map(jnp.asarray, _example())
+  batch = losses.LossBatch(hidden, emb, tokens, mask, seg)
   a_of, a = _split(old)
   b_of, b = _split(grown)
-  loss_a, _ = losses.distill_loss(a_of, a, hidden, emb, tokens, mask, seg, num_steps=3, chunk=4)
-  loss_b, _ = losses.distill_loss(b_of, b, hidden, emb, tokens, mask, seg, num_steps=3, chunk=4)
+  loss_a, _ = losses.distill_loss(a_of, a, batch, losses.LossConfig(num_steps=3, chunk=4))
+  loss_b, _ = losses.distill_loss(b_of, b, batch, losses.LossConfig(num_steps=3, chunk=4))
   assert float(loss_b) == pytest.approx(float(loss_a), rel=1e-6)
-  grads = jax.grad(lambda p: losses.distill_loss(b_of, p, hidden, emb, tokens, mask, seg,
-                                                 num_steps=3, chunk=4)[0])(b)
+  grads = jax.grad(lambda p: losses.distill_loss(
+      b_of, p, batch, losses.LossConfig(num_steps=3, chunk=4))[0])(b)
   flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(grads)}
   assert float(jnp.abs(flat["copy_gate.bias"].get_value()).sum()) > 0
   assert float(jnp.abs(flat["copy_w.kernel"].get_value()).sum()) > 0

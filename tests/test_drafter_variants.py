@@ -19,10 +19,10 @@ from redrafter_jax.inference.runtime import GenerateError
 from redrafter_jax.models import kv_cache as kvc
 from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama, stack_layers
-from redrafter_jax.training import losses
+from redrafter_jax.training import feature_store, losses
 from redrafter_jax.weights.drafter_io import load_drafter, save_drafter
 from redrafter_jax.weights.params import flat_params
-from tests.test_losses import _example, _split
+from tests.test_losses import _batch, _example, _split
 from tests.tiny_models import TINY_LLM, TINY_VOCAB
 
 pytestmark = pytest.mark.usefixtures("float32_matmuls")
@@ -194,13 +194,14 @@ def test_self_feed_zero_is_todays_loss_and_one_feeds_the_drafters_own_tokens():
   drafter = _loss_drafter()
   drafter_of, params = _split(drafter)
   tokens, mask, seg, hidden, emb = _example()
-  args = (drafter_of, params, *map(jnp.asarray, (hidden, emb, tokens, mask, seg)))
+  args = (drafter_of, params, _batch(hidden, emb, tokens, mask, seg))
   n = 3
-  base, m0 = losses.distill_loss(*args, num_steps=n, chunk=4)
-  zero, mz = losses.distill_loss(*args, num_steps=n, chunk=4, self_feed=0.0,
+  cfg = losses.LossConfig(num_steps=n, chunk=4)
+  base, m0 = losses.distill_loss(*args, cfg)
+  zero, mz = losses.distill_loss(*args, dataclasses.replace(cfg, self_feed=0.0),
                                  rng=jax.random.key(0))
   assert float(zero) == float(base)
-  own, m1 = losses.distill_loss(*args, num_steps=n, chunk=4, self_feed=1.0,
+  own, m1 = losses.distill_loss(*args, dataclasses.replace(cfg, self_feed=1.0),
                                 rng=jax.random.key(0))
   # Reference: unroll by hand, step i > 1 reading the embedding of step i-1's argmax.
   B, T = tokens.shape
@@ -249,11 +250,10 @@ def test_rank_loss_adds_the_weighted_ranking_term_per_step():
   drafter_of, params = _split(_loss_drafter())
   tokens, mask, seg, hidden, emb = _example()
   teacher = np.random.default_rng(3).normal(size=(V, D)).astype(np.float32)
-  args = (drafter_of, params, *map(jnp.asarray, (hidden, emb, tokens, mask, seg)))
-  kw = dict(num_steps=3, chunk=4, teacher_out_VD=jnp.asarray(teacher), soft=False,
-            step_weight_decay=0.5)
-  plain, m = losses.distill_loss(*args, **kw)
-  ranked, mr = losses.distill_loss(*args, **kw, rank_weight=0.7, rank_top_k=4)
+  args = (drafter_of, params, _batch(hidden, emb, tokens, mask, seg, teacher_out_VD=teacher))
+  cfg = losses.LossConfig(num_steps=3, chunk=4, soft=False, step_weight_decay=0.5)
+  plain, m = losses.distill_loss(*args, cfg)
+  ranked, mr = losses.distill_loss(*args, dataclasses.replace(cfg, rank_weight=0.7, rank_top_k=4))
   rank_n = np.asarray(mr["rank_n"])
   assert (rank_n > 0).all()
   w = 0.5 ** np.arange(3)
@@ -267,7 +267,57 @@ def test_rank_loss_adds_the_weighted_ranking_term_per_step():
   all_sums = float(rank_n[0]) * float(np.asarray(mr["count_n"])[0])
   assert float(one[0]) < all_sums  # one term of the (positive) sum
   with pytest.raises(ValueError, match="teacher_out_VD"):
-    losses.distill_loss(*args, num_steps=3, rank_weight=1.0)
+    losses.distill_loss(drafter_of, params, _batch(hidden, emb, tokens, mask, seg),
+                        losses.LossConfig(num_steps=3, rank_weight=1.0))
+
+
+def test_lookup_covered_positions_weigh_as_asked():
+  """Where the context lookup has the next token right, every step of the position weighs
+  ``lookup_covered_weight`` in the objective; the metrics stay unweighted."""
+  # One sequence that repeats itself: at t = 3 (reads token 4 = 1, predicts token 5 = 2) and
+  # t = 4 (reads 1 2, predicts 3) the lookup's copy is right; at t = 5 (reads 1 2 3) it copies 4
+  # where 5 follows; tokens 7-9 never occurred before.
+  tokens = np.array([[1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8, 9]], np.int32)
+  seg = np.ones_like(tokens)
+  mask = np.ones_like(tokens)
+  mask[:, :2] = 0
+  covered = np.asarray(losses.lookup_covered(
+      jnp.asarray(tokens), losses.future_window(jnp.asarray(tokens), 2, 1)[:, :, 0],
+      jnp.asarray(seg), 3))
+  assert np.flatnonzero(covered[0]).tolist() == [3, 4]
+  drafter_of, params = _split(_loss_drafter())
+  rng = np.random.default_rng(4)
+  hidden = rng.normal(size=tokens.shape + (D,)).astype(np.float32)
+  emb = rng.normal(size=(V, D)).astype(np.float32)
+
+  def run(hid, weight):
+    cfg = losses.LossConfig(num_steps=3, chunk=4, lookup_covered_weight=weight, lookup_ngram=3)
+    return losses.distill_loss(drafter_of, params, _batch(hid, emb, tokens, mask, seg), cfg)
+
+  plain, m1 = run(hidden, 1.0)
+  weighted, mw = run(hidden, 0.3)
+  for name in ("loss_n", "top1_n", "count_n"):  # the metrics do not move with the weight
+    np.testing.assert_allclose(np.asarray(mw[name]), np.asarray(m1[name]), rtol=1e-6)
+  assert abs(float(weighted) - float(plain)) > 1e-4
+  # Position t reads only h_t here: with weight 0 the covered positions' states drop out of
+  # the objective, and an uncovered position's do not.
+  moved = hidden.copy()
+  moved[0, [3, 4]] += 3.0
+  assert float(run(moved, 0.0)[0]) == pytest.approx(float(run(hidden, 0.0)[0]), rel=1e-6)
+  assert abs(float(run(moved, 1.0)[0]) - float(plain)) > 1e-4
+  moved = hidden.copy()
+  moved[0, 5] += 3.0
+  assert abs(float(run(moved, 0.0)[0]) - float(run(hidden, 0.0)[0])) > 1e-4
+
+
+def test_lookup_covered_weight_needs_a_lookup_beam_and_a_weight():
+  from redrafter_jax.config import load_preset
+
+  with pytest.raises(ConfigError, match="set decode.lookup_ngram"):
+    load_preset(_tiny(), {"train.lookup_covered_weight": 0.5, "decode.lookup_ngram": 0})
+  with pytest.raises(ConfigError, match="train.lookup_covered_weight must be a number >= 0"):
+    load_preset(_tiny(), {"train.lookup_covered_weight": -1, "decode.lookup_ngram": 3})
+  assert load_preset(_tiny(), {"decode.lookup_ngram": 0}).train.lookup_covered_weight == 1.0
 
 
 def test_feature_context_is_what_the_drafter_reads():
@@ -279,16 +329,17 @@ def test_feature_context_is_what_the_drafter_reads():
   drafter_of, params = _split(drafter)
   tokens, mask, seg, hidden, emb = _example()
   ctx = np.random.default_rng(5).normal(size=hidden.shape[:2] + (2 * D,)).astype(np.float32)
-  args = (drafter_of, params, *map(jnp.asarray, (hidden, emb, tokens, mask, seg)))
-  got, _ = losses.distill_loss(*args, num_steps=3, context_BTX=jnp.asarray(ctx))
+  got, _ = losses.distill_loss(drafter_of, params,
+                               _batch(hidden, emb, tokens, mask, seg, context_BTX=ctx),
+                               losses.LossConfig(num_steps=3))
   # Same loss as a single-layer drafter fed the projected context directly.
   single = Drafter(DrafterConfig(vocab_size=V, hidden_size=D, exit_dim=12, num_draft_layers=1),
                    rngs=nnx.Rngs(0))
   nnx.update(single, nnx.state(drafter, nnx.Not(nnx.PathContains("feature_proj"))))
   s_of, s_params = _split(single)
   proj = np.asarray(drafter.context(jnp.asarray(ctx)))
-  want, _ = losses.distill_loss(s_of, s_params, jnp.asarray(proj),
-                                *map(jnp.asarray, (emb, tokens, mask, seg)), num_steps=3)
+  want, _ = losses.distill_loss(s_of, s_params, _batch(proj, emb, tokens, mask, seg),
+                                losses.LossConfig(num_steps=3))
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
 
 
@@ -307,7 +358,8 @@ def synthetic(tmp_path_factory):
     {"drafter.feature_layers": [0, 1]},
     {"train.self_feed": 0.5},
     {"train.rank_loss_weight": 0.5},
-], ids=["feature_layers", "self_feed", "rank_loss"])
+    {"train.lookup_covered_weight": 0.25, "decode.lookup_ngram": 2},
+], ids=["feature_layers", "self_feed", "rank_loss", "lookup_covered_weight"])
 def test_short_training_with_each_option_decreases_the_loss(synthetic, tmp_path, option):
   from redrafter_jax.config import load_preset
   from redrafter_jax.training import trainer
@@ -358,12 +410,13 @@ def test_multi_layer_features_folder_gives_the_inline_loss(synthetic, tmp_path):
   np.testing.assert_array_equal(only_1["hidden"],
                                 np.concatenate([batch["hidden"][..., :64],
                                                 batch["hidden"][..., 128:]], -1))
-  assert features.feature_columns([0, 1], [], 64) == slice(0, 64)
-  assert features.feature_columns([0, 1], [0], 64) == slice(0, 128)
-  assert features.feature_columns([0, 1], [0, 1], 64) is None
-  np.testing.assert_array_equal(features.feature_columns([0, 1], [1], 2), [0, 1, 4, 5])
+  assert feature_store.feature_columns([0, 1], [], 64) == slice(0, 64)
+  assert feature_store.feature_columns([0, 1], [0], 64) == slice(0, 128)
+  assert feature_store.feature_columns([0, 1], [0, 1], 64) is None
+  np.testing.assert_array_equal(feature_store.feature_columns([0, 1], [1], 2), [0, 1, 4, 5])
   graphdef, state = nnx.split(llm)
-  spec = trainer.LossSpec(graphdef, drafter_of, vocab_ids_R, 3, 16, True, 1.0, (0, 1))
+  spec = trainer.LossSpec(graphdef, drafter_of, vocab_ids_R,
+                          losses.LossConfig(num_steps=3, chunk=16, soft=True), (0, 1))
   inline = {k: jnp.asarray(v) for k, v in batch.items() if k != "hidden"}
   l1, _ = trainer._batch_loss(spec, state, inline)(params)
   l2, _ = trainer._batch_loss(spec, state, {k: jnp.asarray(v) for k, v in batch.items()})(params)
@@ -397,7 +450,7 @@ def test_features_folder_serves_the_last_layer_from_the_last_hidden_state(synthe
     data.make_iterator(synthetic, **kw, features=first)
   with pytest.raises(data.DataError, match="or the last, 2"):  # layer 1 of 3 is not the last
     data.make_iterator(synthetic, **kw, features=first, num_layers=3)
-  assert features.feature_columns([0], [1, 0], 2, num_layers=2).tolist() == [0, 1, 0, 1, 2, 3]
+  assert feature_store.feature_columns([0], [1, 0], 2, num_layers=2).tolist() == [0, 1, 0, 1, 2, 3]
 
 
 def test_ablation_chain_tokens_is_one_plus_the_running_products():

@@ -76,7 +76,8 @@ def test_loss_and_gradients_equal_the_inline_forward(made):
   from flax import nnx
 
   graphdef, state = nnx.split(llm)
-  spec = trainer.LossSpec(graphdef, drafter_of, vocab_ids_R, 3, 16, True, 1.0)
+  spec = trainer.LossSpec(graphdef, drafter_of, vocab_ids_R,
+                          losses.LossConfig(num_steps=3, chunk=16, soft=True))
   inline = {k: jnp.asarray(v) for k, v in batch.items() if k != "hidden"}
   (l1, m1), g1 = jax.value_and_grad(trainer._batch_loss(spec, state, inline), has_aux=True)(params)
   (l2, m2), g2 = jax.value_and_grad(

@@ -47,6 +47,12 @@ def _example():
   return tokens, mask, seg, hidden, emb
 
 
+def _batch(hidden, emb, tokens, mask, seg, **extra) -> losses.LossBatch:
+  """A ``LossBatch`` of numpy arrays (``extra``: ``context_BTX``, ``teacher_out_VD``)."""
+  extra = {k: jnp.asarray(v) for k, v in extra.items()}
+  return losses.LossBatch(*map(jnp.asarray, (hidden, emb, tokens, mask, seg)), **extra)
+
+
 def _reference(drafter, tokens, mask, seg, hidden, emb, n, ids=None, teacher_out=None):
   """Loops: position t, step i predicts token t+i+1 from h_t and tokens t+1..t+i.
 
@@ -109,9 +115,8 @@ def test_loss_matches_loop_reference(rnn, exit_dim, chunk):
   drafter = _drafter(rnn=rnn, exit_dim=exit_dim)
   tokens, mask, seg, hidden, emb = _example()
   drafter_of, params = _split(drafter)
-  loss, m = losses.distill_loss(drafter_of, params, jnp.asarray(hidden), jnp.asarray(emb),
-                                jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg),
-                                num_steps=n, chunk=chunk)
+  loss, m = losses.distill_loss(drafter_of, params, _batch(hidden, emb, tokens, mask, seg),
+                                losses.LossConfig(num_steps=n, chunk=chunk))
   ref_loss, ref_ce, ref_top1, ref_top5, ref_count = _reference(drafter, tokens, mask, seg, hidden,
                                                                emb, n)
   assert np.asarray(m["count_n"]).tolist() == ref_count
@@ -125,9 +130,9 @@ def test_loss_matches_loop_reference(rnn, exit_dim, chunk):
 def test_step_weight_decay_weighs_later_steps_less():
   drafter_of, params = _split(_drafter())
   tokens, mask, seg, hidden, emb = _example()
-  args = (drafter_of, params, *map(jnp.asarray, (hidden, emb, tokens, mask, seg)))
-  plain, m = losses.distill_loss(*args, num_steps=3)
-  decayed, m2 = losses.distill_loss(*args, num_steps=3, step_weight_decay=0.5)
+  args = (drafter_of, params, _batch(hidden, emb, tokens, mask, seg))
+  plain, m = losses.distill_loss(*args, losses.LossConfig(num_steps=3))
+  decayed, m2 = losses.distill_loss(*args, losses.LossConfig(num_steps=3, step_weight_decay=0.5))
   ce = np.asarray(m["loss_n"])
   np.testing.assert_allclose(float(decayed), ce[0] + 0.5 * ce[1] + 0.25 * ce[2], rtol=1e-6)
   np.testing.assert_allclose(float(plain), ce.sum(), rtol=1e-6)
@@ -148,9 +153,9 @@ def test_restricted_vocabulary_matches_loop_reference():
   graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
   K = len(ids)
   loss, m = losses.distill_loss(
-      lambda p: restrict_vocab(nnx.merge(graphdef, p, rest), K), params, jnp.asarray(hidden),
-      jnp.asarray(emb), jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg), num_steps=n,
-      chunk=4, vocab_ids_R=jnp.asarray(ids))
+      lambda p: restrict_vocab(nnx.merge(graphdef, p, rest), K), params,
+      _batch(hidden, emb, tokens, mask, seg), losses.LossConfig(num_steps=n, chunk=4),
+      vocab_ids_R=jnp.asarray(ids))
   ref_loss, ref_ce, ref_top1, ref_top5, ref_count = _reference(drafter, tokens, mask, seg, hidden,
                                                                emb, n, ids=np.asarray(ids))
   assert np.asarray(m["count_n"]).tolist() == ref_count
@@ -161,8 +166,8 @@ def test_restricted_vocabulary_matches_loop_reference():
   np.testing.assert_allclose(np.asarray(m["top5_n"]), ref_top5, atol=1e-6)
   # The gradient reaches only the K used columns of the vocabulary projection.
   grads = jax.grad(lambda p: losses.distill_loss(
-      lambda q: restrict_vocab(nnx.merge(graphdef, q, rest), K), p, jnp.asarray(hidden),
-      jnp.asarray(emb), jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg), num_steps=n,
+      lambda q: restrict_vocab(nnx.merge(graphdef, q, rest), K), p,
+      _batch(hidden, emb, tokens, mask, seg), losses.LossConfig(num_steps=n),
       vocab_ids_R=jnp.asarray(ids))[0])(params)
   g_CV = np.asarray(grads["lm_head"][len(drafter.lm_head) - 1]["kernel"])
   used = np.zeros(V, bool)
@@ -189,9 +194,9 @@ def test_soft_targets_match_loop_reference(restricted):
     graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
     drafter_of = lambda p: restrict_vocab(nnx.merge(graphdef, p, rest), len(ids))
   loss, m = losses.distill_loss(
-      drafter_of, params, jnp.asarray(hidden), jnp.asarray(emb), jnp.asarray(tokens),
-      jnp.asarray(mask), jnp.asarray(seg), num_steps=n, chunk=4,
-      vocab_ids_R=None if ids is None else jnp.asarray(ids), teacher_out_VD=jnp.asarray(out))
+      drafter_of, params, _batch(hidden, emb, tokens, mask, seg, teacher_out_VD=out),
+      losses.LossConfig(num_steps=n, chunk=4, soft=True),
+      vocab_ids_R=None if ids is None else jnp.asarray(ids))
   ref_loss, ref_ce, ref_top1, _, ref_count = _reference(
       drafter, tokens, mask, seg, hidden, emb, n, ids=None if ids is None else np.asarray(ids),
       teacher_out=out)
@@ -199,9 +204,8 @@ def test_soft_targets_match_loop_reference(restricted):
   np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(m["loss_n"]), ref_ce, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(m["top1_n"]), ref_top1, atol=1e-6)
-  hard, _ = losses.distill_loss(drafter_of, params, jnp.asarray(hidden), jnp.asarray(emb),
-                                jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(seg),
-                                num_steps=n, chunk=4,
+  hard, _ = losses.distill_loss(drafter_of, params, _batch(hidden, emb, tokens, mask, seg),
+                                losses.LossConfig(num_steps=n, chunk=4),
                                 vocab_ids_R=None if ids is None else jnp.asarray(ids))
   assert abs(float(hard) - float(loss)) > 1e-3  # a different loss, not the hard one renamed
 
@@ -215,9 +219,8 @@ def test_masked_positions_do_not_change_the_loss():
   tokens, mask, seg, hidden, emb = _example()
 
   def loss_of(tok, hid=hidden):
-    return float(losses.distill_loss(drafter_of, params, jnp.asarray(hid), jnp.asarray(emb),
-                                     jnp.asarray(tok), jnp.asarray(mask), jnp.asarray(seg),
-                                     num_steps=n)[0])
+    return float(losses.distill_loss(drafter_of, params, _batch(hid, emb, tok, mask, seg),
+                                     losses.LossConfig(num_steps=n))[0])
 
   base = loss_of(tokens)
   hid = hidden.copy()
@@ -245,8 +248,8 @@ def test_no_gradient_reaches_the_llm():
   def loss_fn(llm_state, d_params):
     model = nnx.merge(llm_gd, llm_state)
     hidden = losses.frozen_hidden(model, tokens, pos, seg)
-    return losses.distill_loss(drafter_of, d_params, hidden, model.embed_tokens.embedding[...],
-                               tokens, mask, seg, num_steps=2)[0]
+    batch = losses.LossBatch(hidden, model.embed_tokens.embedding[...], tokens, mask, seg)
+    return losses.distill_loss(drafter_of, d_params, batch, losses.LossConfig(num_steps=2))[0]
 
   g_llm, g_drafter = jax.grad(loss_fn, argnums=(0, 1))(llm_state, d_params)
   assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(g_llm))

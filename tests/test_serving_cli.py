@@ -245,22 +245,22 @@ def test_server_weights_follow_the_drafter_settings(tmp_path, monkeypatch):
   folder.mkdir()
   (folder / "decode.json").write_text('{"param_dtype": "bfloat16"}')
   preset = Preset(drafter_path=str(folder))
-  assert server.serving_param_dtype(preset) == "bfloat16"
-  assert server.serving_param_dtype(dataclasses.replace(preset, param_dtype="float32")) == (
+  assert server.served_weights_dtype(preset) == "bfloat16"
+  assert server.served_weights_dtype(dataclasses.replace(preset, param_dtype="float32")) == (
       "float32")
-  assert server.serving_param_dtype(preset, random_drafter=True) is None
+  assert server.served_weights_dtype(preset, random_drafter=True) == "float32"  # preset.dtype
   (folder / "decode.json").write_text('{"param_dtype": "auto"}')
   for fastest in ("float32", "bfloat16"):
     monkeypatch.setattr(linear, "preferred_param_dtype", lambda: fastest)
-    assert server.serving_param_dtype(preset) == fastest
-    assert server.serving_param_dtype(Preset(drafter_path="shipped")) == fastest
+    assert server.served_weights_dtype(preset) == fastest
+    assert server.served_weights_dtype(Preset(drafter_path="shipped")) == fastest
     llm, _ = load_base_model("random:tiny", param_dtype="auto")
     assert llm.param_dtype == jnp.dtype(fastest)
   (folder / "decode.json").write_text('{"param_dtype": "fp8"}')
   with pytest.raises(ConfigError, match="param_dtype must be one of"):
-    server.serving_param_dtype(preset)
+    server.served_weights_dtype(preset)
   with pytest.raises(ConfigError, match="drafter not found"):
-    server.serving_param_dtype(Preset(drafter_path=str(tmp_path / "missing")))
+    server.served_weights_dtype(Preset(drafter_path=str(tmp_path / "missing")))
 
 
 def test_server_serves_the_tree_chosen_for_this_device(tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ import pytest
 
 from redrafter_jax.config import ConfigError
 from redrafter_jax.weights.base_model import load_base_model
-from redrafter_jax.weights.shipped import param_dtype_for, recommended_config, resolve_drafter
+from redrafter_jax.config import ConfigError
+from redrafter_jax.weights.param_dtype import weights_dtype
+from redrafter_jax.weights.shipped import recommended_config, resolve_drafter
 
 RECORDED = {"beam_width": 2, "beam_length": 4, "lookup_ngram": 3, "token_budget": 5,
             "draft_vocab_size": 8192}
@@ -79,31 +81,33 @@ def test_param_dtype_is_recorded_and_overridable(tmp_path, drafter_dir, monkeypa
   from redrafter_jax.models import linear
 
   (drafter_dir / "decode.json").write_text(json.dumps({**RECORDED, "param_dtype": "bfloat16"}))
-  assert param_dtype_for(drafter_dir) == "bfloat16"
-  assert param_dtype_for(drafter_dir, "float32") == "float32"
-  assert param_dtype_for(tmp_path / "nowhere") == "float32"
+  assert weights_dtype(drafter=drafter_dir) == "bfloat16"
+  assert weights_dtype("float32", drafter=drafter_dir) == "float32"
+  assert weights_dtype(drafter=tmp_path / "nowhere") == "float32"
+  assert weights_dtype() == "float32"  # nothing asked, no drafter: the activations' dtype
+  assert weights_dtype(dtype="bfloat16") == "bfloat16"
   shipped = json.loads((resolve_drafter("shipped") / "decode.json").read_text())
   assert shipped["param_dtype"] == "auto"
   for bf16, want in ((True, "bfloat16"), (False, "float32")):
     monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: bf16)
-    assert param_dtype_for(resolve_drafter("shipped")) == want == linear.preferred_param_dtype(
-        cpu=True)
-    assert param_dtype_for(drafter_dir, "auto") == want
+    assert weights_dtype(drafter=resolve_drafter("shipped")) == want == (
+        linear.preferred_param_dtype(cpu=True))
+    assert weights_dtype("auto", drafter=drafter_dir) == want
     # one rule for every entry point: "auto" under float32 activations, else the activations'
-    assert linear.resolve_param_dtype("auto") == want
-    assert linear.resolve_param_dtype("auto", "bfloat16") == "bfloat16"
+    assert weights_dtype("auto") == want
+    assert weights_dtype("auto", dtype="bfloat16") == "bfloat16"
+    assert weights_dtype(drafter=resolve_drafter("shipped"), dtype="bfloat16") == "bfloat16"
     llm, _ = load_base_model("random:tiny", param_dtype="auto")
     assert llm.embed_tokens.embedding[...].dtype == want
-  assert linear.resolve_param_dtype(None, "bfloat16") == "bfloat16"
   assert linear.preferred_param_dtype(cpu=False) == "bfloat16"
 
 
 def test_unknown_recorded_param_dtype_is_a_clear_error(drafter_dir):
   (drafter_dir / "decode.json").write_text(json.dumps({**RECORDED, "param_dtype": "fp8"}))
-  with pytest.raises(ValueError, match=r"decode.json: param_dtype must be one of .*'fp8'"):
-    param_dtype_for(drafter_dir)
-  with pytest.raises(ValueError, match=r"requested: param_dtype must be one of .*'fp16'"):
-    param_dtype_for(drafter_dir, "fp16")
+  with pytest.raises(ConfigError, match=r"decode.json: param_dtype must be one of .*'fp8'"):
+    weights_dtype(drafter=drafter_dir)
+  with pytest.raises(ConfigError, match=r"^param_dtype must be one of .*'fp16'"):
+    weights_dtype("fp16", drafter=drafter_dir)
 
 
 def test_bf16_instructions_are_read_from_the_cpu_flags(tmp_path):

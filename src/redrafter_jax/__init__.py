@@ -15,14 +15,14 @@ from redrafter_jax.models.drafter import Drafter
 from redrafter_jax.models.llama import Llama
 from redrafter_jax.weights.drafter_io import load_drafter, save_drafter
 from redrafter_jax.weights.llama_weights import load_llama
-from redrafter_jax.weights.shipped import param_dtype_for, recommended_config, resolve_drafter
+from redrafter_jax.weights.param_dtype import weights_dtype
+from redrafter_jax.weights.shipped import recommended_config, resolve_drafter
 from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
 __all__ = [
     "DecodeConfig", "DecodeResult", "Drafter", "DrafterConfig", "Llama", "LlamaConfig", "Preset",
     "ReDrafter", "TrainConfig", "UserError", "decode", "encode", "generate", "load_drafter",
-    "keep_freed_memory", "load_llama", "load_preset", "load_tokenizer", "param_dtype_for",
-    "recommended_config",
-    "resolve_drafter", "save_drafter", "stop_token_ids",
+    "keep_freed_memory", "load_llama", "load_preset", "load_tokenizer", "recommended_config",
+    "resolve_drafter", "save_drafter", "stop_token_ids", "weights_dtype",
 ]
 __version__ = "0.1.0"

@@ -456,6 +456,11 @@ class TrainConfig:
   # weight ``rank_loss_weight``. 0 turns it off.
   rank_loss_weight: float = 0.0
   rank_top_k: int = 8
+  # The loss weight of positions where decoding's context-lookup beam (decode.lookup_ngram) has
+  # the next token right: the tree accepts that token whatever the drafter says there, so a
+  # weight below 1 spends the drafter's capacity on what the lookup cannot give (losses.py).
+  # 1.0 weighs every position the same.
+  lookup_covered_weight: float = 1.0
   # The drafter's matmuls in a training step: "float32", or "bfloat16" (operands rounded to
   # bfloat16, accumulated in float32, forward and backward; parameters, optimizer state, softmax
   # and loss stay float32: models.bf16_matmul). bfloat16 is the fast setting where the hardware
@@ -467,12 +472,12 @@ class TrainConfig:
     if self.matmul_dtype not in ("float32", "bfloat16"):
       raise ConfigError(f"train.matmul_dtype must be 'float32' or 'bfloat16', got "
                         f"{self.matmul_dtype!r}")
-    for name in ("self_feed", "rank_loss_weight"):
+    for name in ("self_feed", "rank_loss_weight", "lookup_covered_weight"):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
           name == "self_feed" and value > 1):
-        limit = "[0, 1]" if name == "self_feed" else ">= 0"
-        raise ConfigError(f"train.{name} must be a number in {limit}, got {value!r}")
+        limit = "in [0, 1]" if name == "self_feed" else ">= 0"
+        raise ConfigError(f"train.{name} must be a number {limit}, got {value!r}")
     if not isinstance(self.rank_top_k, int) or isinstance(self.rank_top_k, bool) or (
         self.rank_top_k < 1):
       raise ConfigError(f"train.rank_top_k must be an integer >= 1, got {self.rank_top_k!r}")
@@ -629,6 +634,9 @@ class Preset:
       object.__setattr__(self, "train", TrainConfig.from_dict(self.train))
     if isinstance(self.serve, Mapping):
       object.__setattr__(self, "serve", ServeConfig.from_dict(self.serve))
+    if self.train.lookup_covered_weight != 1.0 and not self.decode.lookup_ngram:
+      raise ConfigError("train.lookup_covered_weight weighs the positions decoding's lookup beam "
+                        "covers, and this preset decodes without one: set decode.lookup_ngram")
     if self.drafter is not None:
       # Every DrafterConfig field but the two the LLM sets.
       allowed = {f.name for f in dataclasses.fields(DrafterConfig)} - {"vocab_size",

@@ -78,7 +78,7 @@ def pick_prompts(path, tok, per_category: int, max_prompt_tokens: int, skip: int
   """``(id, category, ids)`` of prompts ``skip + 1 .. skip + per_category`` of each category (as
   the suite picks them), chat-templated; longer prompts than ``max_prompt_tokens`` are left
   out."""
-  from redrafter_jax.bench.suite import select_prompts
+  from redrafter_jax.bench._methods import select_prompts
 
   out = [(str(r["id"]), r["category"], encode(tok, r["prompt"], chat=True))
          for r in select_prompts(pathlib.Path(path), per_category, skip)]

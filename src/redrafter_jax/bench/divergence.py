@@ -204,7 +204,7 @@ def run_controls(runner, prompts: dict, pid: str, cache_size: int) -> dict:
   """Our AR greedy on ``prompts[pid]`` at batch 4 (``companions`` in rows 1-3) and at another
   cache size, through the suite's ``Runner``: ``{control key: {output_ids, cache_size,
   [companions]}}`` (no cache-size control when no other size fits)."""
-  from redrafter_jax.bench.suite import Method
+  from redrafter_jax.bench._methods import Method
 
   ar = Method(REFERENCE, "our AR greedy", "ar")
   mates = companions(list(prompts), pid)
@@ -379,7 +379,7 @@ def run(o) -> dict:
 
   from redrafter_jax.bench._common import load
   from redrafter_jax.bench._runner import Runner
-  from redrafter_jax.bench.suite import Method, select_prompts
+  from redrafter_jax.bench._methods import Method, select_prompts
   from redrafter_jax.weights.tokenizer import encode
 
   rows = select_prompts(o.prompts, o.per_category)
@@ -431,7 +431,7 @@ def render(data: dict) -> str:
 
 
 def main(argv=None) -> int:
-  from redrafter_jax.bench.suite import SuiteError
+  from redrafter_jax.bench._methods import SuiteError
   from redrafter_jax.errors import user_errors
 
   o = parse_args(argv)

@@ -176,7 +176,7 @@ def run_variant(args) -> dict:
   from redrafter_jax.bench._common import draft_vocab_arg, load
   from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference.decode import ReDrafter
-  from redrafter_jax.models.linear import resolve_param_dtype
+  from redrafter_jax.weights.param_dtype import weights_dtype
 
   k = steps_of(args.variant)
   models = load(args.model, dtype=args.dtype, param_dtype=args.param_dtype,
@@ -190,7 +190,7 @@ def run_variant(args) -> dict:
   out = dict(variant=args.variant, steps_per_check=k, backend=jax.default_backend(),
              device=jax.devices()[0].device_kind, jax=jax.__version__,
              xla_flags=os.environ.get("XLA_FLAGS", ""), draft_vocab=draft_vocab,
-             param_dtype=resolve_param_dtype(args.param_dtype, args.dtype), rows=[])
+             param_dtype=weights_dtype(args.param_dtype, dtype=args.dtype), rows=[])
   shapes = dict(cache_size=args.cache_size, prompt_multiple=args.prompt_multiple)
   for B in args.batch_sizes:
     groups = batches(prompts, B)

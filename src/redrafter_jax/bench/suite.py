@@ -49,8 +49,9 @@ import zlib
 
 from redrafter_jax.bench._runner import (Runner, adds_fp32_ar, adds_hf_bf16, environment,
                                          load_models)
-from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average, read_prompts
+from redrafter_jax.bench.ar import DEFAULT_PROMPTS, load_average
 from redrafter_jax.bench.decode import Beams
+from redrafter_jax.bench._methods import Method, SuiteError, select_prompts
 from redrafter_jax.bench._measurements import FP32_AR, HF_BF16
 from redrafter_jax.helptext import show_defaults
 
@@ -67,38 +68,6 @@ GPU = dict(beams="1x4,4x4,8x4,4x5,8x5,16x5", main_beams="8x5", batch_sizes="1,2,
 QUICK = dict(per_category=1, max_new_tokens=16, beams="1x4+3,4x5", main_beams="4x5",
              temperatures="0.7", split_repeat=2)
 QUICK_PROMPTS = 2
-
-
-class SuiteError(RuntimeError):
-  """Bad arguments or an out folder that cannot be resumed; reported without a traceback."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-  key: str
-  label: str
-  kind: str  # ar | redrafter | transformers | prompt_lookup
-  temperature: float = 0.0
-  beam_width: int = 0
-  beam_length: int = 0
-  acceptance: str = "greedy"  # greedy | exact | typical
-  reference: str = "ar_greedy"  # our AR at the same temperature: the speedup baseline
-  lookup_ngram: int = 0  # the context-lookup beam's n-gram size (0: none)
-  token_budget: int = 0  # tree tokens N (0: the whole tree)
-  param_dtype: str = ""  # the LLM's weights when not the run's own (--param-dtype)
-  first_alternatives: int = 0  # the step-1 alternatives K (0: none)
-
-  @classmethod
-  def redrafter(cls, b: Beams, prefix: str = "", label: str = "", temperature: float = 0.0,
-                acceptance: str = "greedy", reference: str = "ar_greedy") -> "Method":
-    return cls(f"redrafter_{prefix}{b.key}", f"ReDrafter {label}{b.label}", "redrafter",
-               temperature, b.width, b.length, acceptance, reference, b.lookup, b.budget,
-               first_alternatives=b.alternatives)
-
-  @property
-  def beams(self) -> Beams:
-    return Beams(self.beam_width, self.beam_length, self.lookup_ngram, self.token_budget,
-                 self.first_alternatives)
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -169,9 +138,9 @@ def parse_args(argv) -> argparse.Namespace:
     if getattr(o, name) is None:
       setattr(o, name, value)
   o.dtype = o.dtype or ("bfloat16" if o.gpu else "float32")
-  from redrafter_jax.models.linear import resolve_param_dtype
+  from redrafter_jax.weights.param_dtype import weights_dtype
 
-  o.param_dtype = resolve_param_dtype(o.param_dtype, o.dtype)
+  o.param_dtype = weights_dtype(o.param_dtype, dtype=o.dtype)
   o.attention = o.attention or ("cudnn" if o.gpu else "xla")
   o.beams = parse_beams(p, "--beams", o.beams)
   o.main_beams = parse_beams(p, "--main-beams", o.main_beams)[0]
@@ -238,27 +207,6 @@ def build_methods(o) -> list[Method]:
                            ref)
       out.append(dataclasses.replace(m, label=m.label + ", LOSSY"))
   return out
-
-
-def select_prompts(path: pathlib.Path, per_category: int, skip: int = 0) -> list[dict]:
-  """Rows ``skip + 1 .. skip + per_category`` of each category (in file order), categories in
-  file order. ``skip`` makes disjoint subsets: choose settings on ``skip=0`` prompts, report on
-  ``skip=per_category`` ones."""
-  try:
-    rows = read_prompts(path, None)
-  except (FileNotFoundError, ValueError) as e:
-    raise SuiteError(str(e)) from e
-  seen, out = {}, []
-  for i, row in enumerate(rows):
-    missing = [k for k in ("id", "category", "prompt") if k not in row]
-    if missing:
-      raise SuiteError(f"{path}: line {i + 1} lacks {missing} (want id, category, prompt)")
-    if str(row["id"]) in seen:
-      raise SuiteError(f"{path}: duplicate prompt id {row['id']!r}")
-    seen[str(row["id"])] = row["category"]
-    if skip < sum(c == row["category"] for c in seen.values()) <= skip + per_category:
-      out.append(row)
-  return sorted(out, key=lambda r: list(dict.fromkeys(seen.values())).index(r["category"]))
 
 
 def machine_slug(gpu: bool) -> str:

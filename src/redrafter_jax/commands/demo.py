@@ -61,10 +61,11 @@ def run(args) -> int:
   from redrafter_jax.inference import tree_choice
   from redrafter_jax.inference.ar import generate
   from redrafter_jax.inference.decode import ReDrafter
-  from redrafter_jax.inference.defaults import decode_settings, weights_dtype
+  from redrafter_jax.inference.defaults import decode_settings
   from redrafter_jax.weights import fetch
   from redrafter_jax.weights.drafter_io import load_drafter
   from redrafter_jax.weights.llama_weights import load_llama
+  from redrafter_jax.weights.param_dtype import weights_dtype
   from redrafter_jax.weights.shipped import resolve_drafter
   from redrafter_jax.weights.tokenizer import encode, load_tokenizer, stop_token_ids
 
@@ -74,7 +75,7 @@ def run(args) -> int:
                lookup_ngram=args.lookup_ngram, token_budget=args.token_budget,
                max_new_tokens=args.max_new_tokens)
   decode_settings(path, tree="recorded", **flags)  # bad flags fail before the model loads
-  param_dtype = weights_dtype(path, args.param_dtype)
+  param_dtype = weights_dtype(args.param_dtype, drafter=path)
   llm, _ = load_llama("smollm2-135m", param_dtype=jnp.dtype(param_dtype))
   tok = load_tokenizer(fetch.model_path("smollm2-135m"))
   drafter = load_drafter(path)

@@ -122,16 +122,14 @@ def settings(args, *, tree: str | None = None, llm=None, drafter=None, log=print
 
 
 def weights_dtype(args) -> str:
-  """The LLM's weight dtype (``inference.defaults.weights_dtype``)."""
-  from redrafter_jax.config import ConfigError
-  from redrafter_jax.inference.defaults import weights_dtype as resolve
+  """The LLM's weight dtype (``weights.param_dtype.weights_dtype``): ``--param-dtype``, else the
+  drafter's recorded one, else "auto"."""
+  from redrafter_jax.weights.param_dtype import weights_dtype as resolve
   from redrafter_jax.weights.shipped import resolve_drafter
 
-  try:
-    return resolve(resolve_drafter(args.drafter) if args.drafter else None, args.param_dtype,
-                   dtype=args.dtype)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
+  drafter = resolve_drafter(args.drafter) if args.drafter else None
+  requested = args.param_dtype if args.param_dtype or drafter else "auto"
+  return resolve(requested, dtype=args.dtype, drafter=drafter)
 
 
 def load_model(args, param_dtype: str):

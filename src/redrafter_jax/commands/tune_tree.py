@@ -73,8 +73,8 @@ def run(args) -> int:
   from redrafter_jax.inference import tree_choice
   from redrafter_jax.weights.base_model import load_base_model, load_base_tokenizer
   from redrafter_jax.weights.drafter_io import load_drafter
-  from redrafter_jax.weights.shipped import (decode_defaults, param_dtype_for,
-                                             resolve_drafter)
+  from redrafter_jax.weights.param_dtype import weights_dtype
+  from redrafter_jax.weights.shipped import decode_defaults, resolve_drafter
   from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
   try:
@@ -92,7 +92,7 @@ def run(args) -> int:
     raise ConfigError(f"--add: {path} has no {tree_choice.ACCEPTANCE_FILE}; measure the whole "
                       "table first (without --add)")
   draft_vocab = int(decode_defaults(path).get("draft_vocab_size", 0))
-  param_dtype = param_dtype_for(path, args.param_dtype)
+  param_dtype = weights_dtype(args.param_dtype, drafter=path)
   llm, _ = load_base_model(args.model, param_dtype=param_dtype)
   drafter = load_drafter(path)
   if not args.time_only:

@@ -1,6 +1,6 @@
 """The settings a decode runs when the user names none: one resolution for ``generate``, ``demo``,
 ``tune-tree`` and the Python paths (the server resolves the same way from its preset:
-``serving.server.serving_param_dtype`` and ``served_decode``).
+``serving.server.served_decode``).
 
 A drafter is measured with one tree, one draft vocabulary and one precision of the LLM's weights,
 and it pays only with them: a larger tree with float32 weights on a CPU verifies more tokens per
@@ -14,10 +14,10 @@ one found wins:
    is predicted slower than AR (a weak drafter on a device where verifying several tokens costs
    much more than one), ``Settings.decode_ar`` says so: ``generate`` then decodes with AR, which
    gives the same greedy tokens, faster;
-3. the drafter's own settings (its ``decode.json``: ``weights.shipped.recommended_config``,
-   ``param_dtype_for``);
-4. the library's: W=4, L=5, no lookup, the whole tree and vocabulary; "auto" weights
-   (``models.linear.preferred_param_dtype``: bfloat16 where the platform multiplies it fast).
+3. the drafter's own settings (its ``decode.json``: ``weights.shipped.recommended_config``);
+4. the library's: W=4, L=5, no lookup, the whole tree and vocabulary.
+
+The LLM's weight dtype resolves the same way in ``weights.param_dtype.weights_dtype``.
 """
 
 from __future__ import annotations
@@ -29,23 +29,6 @@ from redrafter_jax.config import DecodeConfig
 from redrafter_jax.weights import shipped
 
 TREES = ("recorded", "auto")  # the drafter's decode.json tree | the one fastest on this device
-
-
-def weights_dtype(drafter_path=None, requested: str | None = None, *,
-                  dtype: str = "float32") -> str:
-  """The LLM's weight dtype, resolved to "float32" or "bfloat16": ``requested`` ("auto" is the
-  platform's faster one); else, with a drafter, the one its settings were measured with
-  (``param_dtype_for``); else bfloat16 activations keep bfloat16 weights; else "auto". Raises
-  ``ValueError`` for an unknown name."""
-  from redrafter_jax.models.linear import resolve_param_dtype
-
-  if requested is None and drafter_path is not None:
-    return shipped.param_dtype_for(drafter_path)
-  if requested is None:
-    requested = dtype if dtype != "float32" else "auto"
-  if requested not in shipped.PARAM_DTYPES:
-    raise ValueError(f"param_dtype must be one of {shipped.PARAM_DTYPES}, got {requested!r}")
-  return resolve_param_dtype(requested)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,18 +91,6 @@ def preferred_param_dtype(*, cpu: bool | None = None, bf16: bool | None = None) 
   return "bfloat16" if (cpu_has_bf16_matmul() if bf16 is None else bf16) else "float32"
 
 
-def resolve_param_dtype(param_dtype: str | None, dtype: str = "float32") -> str:
-  """The weight dtype a setting names, in one place for every entry point: None is ``dtype``
-  (weights as wide as the activations); "auto" is ``preferred_param_dtype()`` under float32
-  activations and ``dtype`` under narrower ones; any other value is returned as given (the
-  caller checks it)."""
-  if param_dtype is None:
-    return dtype
-  if param_dtype == "auto":
-    return preferred_param_dtype() if dtype == "float32" else dtype
-  return param_dtype
-
-
 def _check_layout(layout: str) -> None:
   if layout not in LAYOUTS:
     raise ValueError(f"unknown weight layout {layout!r}; choose one of {LAYOUTS}")

@@ -71,7 +71,7 @@ def preflight(preset: Preset, serve: ServeConfig) -> None:
   them before it listens rather than from its background start-up."""
   if serve.speculative and not serve.random_drafter:
     served_drafter_folder(preset)
-  serving_param_dtype(preset, random_drafter=serve.random_drafter)
+  served_weights_dtype(preset, random_drafter=serve.random_drafter)
 
 
 def load_drafter_for(preset: Preset, llm_cfg, *, random: bool, seed: int = 0):
@@ -89,22 +89,15 @@ def load_drafter_for(preset: Preset, llm_cfg, *, random: bool, seed: int = 0):
     raise ConfigError(f"{e} (train one, or pass --drafter PATH)") from None
 
 
-def serving_param_dtype(preset: Preset, *, random_drafter: bool = False) -> str | None:
-  """The LLM weight dtype a server loads: the preset's ``param_dtype`` when it sets one, else
-  the one its drafter's settings were measured with (decode.json; "auto": the platform's faster
-  one), else None (the preset's ``dtype``). A ``--ar`` server resolves the same drafter, so a
-  ReDrafter-vs-AR comparison serves the same weights."""
-  if preset.param_dtype is not None or random_drafter:
-    return preset.param_dtype
-  folder = drafter_folder(preset)
-  if folder is None:
-    return None
-  from redrafter_jax.weights.shipped import param_dtype_for
+def served_weights_dtype(preset: Preset, *, random_drafter: bool = False) -> str:
+  """The LLM weight dtype a server loads (``weights.param_dtype.weights_dtype``): the preset's
+  ``param_dtype``, else the one its drafter was measured with, else the preset's ``dtype``. A
+  ``--ar`` server reads the same drafter, so a ReDrafter-vs-AR comparison serves the same
+  weights."""
+  from redrafter_jax.weights.param_dtype import weights_dtype
 
-  try:
-    return param_dtype_for(folder)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
+  drafter = None if random_drafter else drafter_folder(preset)
+  return weights_dtype(preset.param_dtype, dtype=preset.dtype, drafter=drafter)
 
 
 def served_decode(preset: Preset, llm, drafter, *, tree: str = "preset"):
@@ -224,7 +217,7 @@ def build(preset: Preset, serve: ServeConfig | None = None, *,
   stage = startup.stage if startup is not None else (lambda name: log.info("%s", name))
   stage("loading the model")
   mesh = serving_mesh(serve.devices)
-  param_dtype = serving_param_dtype(preset, random_drafter=serve.random_drafter)
+  param_dtype = served_weights_dtype(preset, random_drafter=serve.random_drafter)
   llm, llm_cfg = load_base_model(preset.model, dtype=preset.dtype, param_dtype=param_dtype,
                                  invariant=preset.invariant)
   tok = load_base_tokenizer(preset.model)

@@ -43,6 +43,7 @@ import numpy as np
 
 # Raised here for data folders, shards and records too; importable from here as before.
 from redrafter_jax.jsonl import DataError
+from redrafter_jax.training.feature_store import feature_paths
 
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".npz"
@@ -97,7 +98,7 @@ class ShardSource:
   protocol). Shards are small and compressed: all are read into memory at once. With
   ``feature_paths`` (one ``features.py`` file per shard, memory-mapped) each record also holds
   ``hidden``, the LLM's states over its ``seq_len`` window (``hidden_columns``: only these of
-  each file's columns, per file: ``features.feature_columns``)."""
+  each file's columns, per file: ``feature_store.feature_columns``)."""
 
   def __init__(self, paths: Sequence[str | pathlib.Path],
                feature_paths: Sequence[str | pathlib.Path] | None = None, seq_len: int = 0,
@@ -287,8 +288,6 @@ def _source(folder, *, seq_len: int, holdout: int, part: str, first: int, featur
   paths = shard_paths(folder, holdout=holdout, part=part, first=first)
   hidden_paths = hidden_columns = None
   if features is not None:
-    from redrafter_jax.training.features import feature_paths
-
     feats = folders(features)
     if len(feats) != len(folders(folder)):
       raise DataError(f"give one features folder per data folder: {len(feats)} for "
@@ -386,13 +385,18 @@ def _packed_row(recs: Sequence[Mapping[str, np.ndarray]], seq_len: int,
   return row
 
 
+def greedy_indices(records: Sequence[Mapping[str, Any]]) -> list[int]:
+  """Which teacher-data records (``data.read_shard``'s) are greedy answers, in order."""
+  return [i for i, r in enumerate(records) if not r["sampled"]]
+
+
 def held_out_batches(folder, *, seq_len: int, global_batch: int, holdout: int,
                      rows: tuple[int, int] | None = None, vocab_size: int | None = None,
                      pack: bool = True, first: int = 0, features=None,
                      hidden_size: int | None = None, feature_layers: tuple[int, ...] = (),
                      num_layers: int | None = None) -> Iterator[dict[str, np.ndarray]]:
   """The trainer's held-out set, in fixed batches: every greedy answer of the held-out shards
-  (``part="eval"``; ``eval_set.greedy_indices``), windowed as training rows are (``window``),
+  (``part="eval"``; ``greedy_indices``), windowed as training rows are (``window``),
   packed first-fit into rows of ``seq_len``, longest first (ties in shard and record order;
   with ``pack=False`` one answer per row, in record order), and cut into global batches, the
   last one filled up with empty rows (no targets). No seed enters, so every run, seed and
@@ -412,8 +416,6 @@ def held_out_batches(folder, *, seq_len: int, global_batch: int, holdout: int,
   Raises:
     DataError: the held-out shards hold no greedy answer, or the usual data errors.
   """
-  from redrafter_jax.training.eval_set import greedy_indices
-
   start, stop = _check_rows(rows, global_batch)
   source = _source(folder, seq_len=seq_len, holdout=holdout, part="eval", first=first,
                    features=features, hidden_size=hidden_size, feature_layers=feature_layers,

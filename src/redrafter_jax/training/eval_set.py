@@ -34,6 +34,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from redrafter_jax.jsonl import DataError, read_jsonl, write_jsonl
+from redrafter_jax.training import data as data_lib
+from redrafter_jax.training.data import greedy_indices
 
 EVAL_DIR = pathlib.Path(__file__).resolve().parents[3] / "data" / "eval"
 NAMES = {"specbench": "specbench-greedy-v1.jsonl.gz", "heldout": "heldout-greedy-v1.jsonl.gz"}
@@ -120,11 +122,6 @@ def check_model(answers: Sequence[EvalAnswer], model: str, vocab_size: int, wher
                     f"{vocab_size}")
 
 
-def greedy_indices(records: Sequence[Mapping[str, Any]]) -> list[int]:
-  """Which teacher-data records (``data.read_shard``'s) are greedy answers, in order."""
-  return [i for i, r in enumerate(records) if not r["sampled"]]
-
-
 def answers_from_records(records: Sequence[Mapping[str, Any]], categories: Mapping[str, str],
                          model: str) -> list[EvalAnswer]:
   """The greedy ``records`` as a set: prompt = the tokens before the response, answer = the
@@ -155,8 +152,6 @@ def answers_from_shard(shard: str | pathlib.Path, prompts: str | pathlib.Path) -
   Raises:
     DataError: ``prompts`` is not the file the folder's manifest names (its digest differs).
   """
-  from redrafter_jax.training import data as data_lib
-
   shard, prompts = pathlib.Path(shard), pathlib.Path(prompts)
   settings = data_lib.read_manifest(shard.parent).get("settings", {})
   digest = hashlib.sha256(prompts.read_bytes()).hexdigest()[:16]

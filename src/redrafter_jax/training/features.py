@@ -26,7 +26,7 @@ manifest's settings) each row is ``[D + k*D]``: the last hidden state (the soft 
 then the normed states of those layers (``Llama.forward_layers``: what the drafter reads). Such a
 folder also serves drafters that read fewer of its layers, down to none (the last hidden state
 alone), and the model's last layer, whose tap is the last hidden state itself: training reads only
-their columns (``feature_columns``), so one folder serves a whole ablation over layer choices and
+their columns (``feature_store.feature_columns``), so one folder serves a whole ablation over layer choices and
 its baseline.
 
 The command resumes: shards the manifest lists are skipped.
@@ -35,7 +35,6 @@ The command resumes: shards the manifest lists are skipped.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import pathlib
@@ -48,15 +47,12 @@ import numpy as np
 from flax import nnx
 
 from redrafter_jax.training import data as data_lib
+from redrafter_jax.training.feature_store import MANIFEST, sha256
 from redrafter_jax.training.losses import frozen_features, frozen_hidden
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16")
-
-
-def sha256(path: pathlib.Path) -> str:
-  return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layers"))
@@ -118,8 +114,8 @@ def write_features(llm, data: str | pathlib.Path, out: str | pathlib.Path, *, mo
   if feature_layers:  # absent for the last hidden state only (older folders stay readable)
     settings["feature_layers"] = list(feature_layers)
   manifest = {"settings": settings, "shards": {}}
-  if (out / data_lib.MANIFEST).is_file():
-    manifest = json.loads((out / data_lib.MANIFEST).read_text())
+  if (out / MANIFEST).is_file():
+    manifest = json.loads((out / MANIFEST).read_text())
     old = {k: v for k, v in manifest["settings"].items() if k != "data"}
     new = {k: v for k, v in settings.items() if k != "data"}
     if old != new:
@@ -144,7 +140,7 @@ def write_features(llm, data: str | pathlib.Path, out: str | pathlib.Path, *, mo
     manifest["shards"][path.name] = dict(
         file=name, records=len(records), tokens=int(hidden.shape[0]), sha256=sha256(path),
         seconds=round(time.perf_counter() - t0, 1))
-    _write_json(out / data_lib.MANIFEST, manifest)
+    _write_json(out / MANIFEST, manifest)
     written, tokens = written + 1, tokens + int(hidden.shape[0])
     log.info("%s: %d records, %d tokens", out / name, len(records), hidden.shape[0])
   return {"shards": written, "tokens": tokens, "seconds": time.perf_counter() - start}
@@ -154,60 +150,3 @@ def _write_json(path: pathlib.Path, obj) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(json.dumps(obj, indent=1) + "\n")
   tmp.replace(path)
-
-
-def feature_columns(stored_layers: Sequence[int], wanted_layers: Sequence[int],
-                    hidden_size: int, num_layers: int | None = None):
-  """The columns of a features row (``[D + k*D]`` for ``stored_layers``) that a drafter reading
-  ``wanted_layers`` needs: None for all of them, a slice when they are contiguous (rows stay
-  memory-mapped views), else an index array. ``wanted_layers`` must be among the stored, or be
-  the model's last layer (``num_layers - 1``, when given), read from the row's first block: its
-  tap through the final norm is the last hidden state (``Llama.forward_layers``)."""
-  stored, D = list(stored_layers), hidden_size
-  if list(wanted_layers) == stored:
-    return None
-  last = None if num_layers is None else num_layers - 1
-  blocks = [0] + [0 if i == last and i not in stored else 1 + stored.index(i)
-                  for i in wanted_layers]
-  cols = np.concatenate([np.arange(b * D, (b + 1) * D) for b in blocks])
-  if np.array_equal(cols, np.arange(cols[0], cols[0] + cols.size)):
-    return slice(int(cols[0]), int(cols[0]) + cols.size)
-  return cols
-
-
-def feature_paths(features: str | pathlib.Path, shards: Sequence[pathlib.Path], *, seq_len: int,
-                  hidden_size: int | None = None, model_name: str | None = None,
-                  feature_layers: tuple[int, ...] = (), num_layers: int | None = None):
-  """``(paths, columns)``: the feature file of each data shard in ``shards``, checked against
-  the manifest: made for this ``seq_len`` (and hidden size and model, when given), holding these
-  ``feature_layers`` (and maybe more; the last of ``num_layers``, when given, is always held),
-  and for exactly these shards' bytes; and the columns of those files the layers need
-  (``feature_columns``)."""
-  folder = pathlib.Path(features)
-  path = folder / data_lib.MANIFEST
-  if not path.is_file():
-    raise data_lib.DataError(f"{folder} has no {data_lib.MANIFEST}: not a folder written by "
-                             "`redrafter-jax features`")
-  manifest = json.loads(path.read_text())
-  s = manifest["settings"]
-  want = dict(seq_len=seq_len, **({"hidden_size": hidden_size} if hidden_size else {}),
-              **({"model": model_name} if model_name else {}))
-  got = {k: s.get(k) for k in want}
-  stored = list(s.get("feature_layers", []))
-  held = set(stored) | (set() if num_layers is None else {num_layers - 1})
-  if got != want or not set(feature_layers) <= held:
-    raise data_lib.DataError(
-        f"{folder}: features made with {dict(got, feature_layers=stored)}, but training needs "
-        f"{dict(want, feature_layers=list(feature_layers))} (layers: any of the stored ones"
-        f"{'' if num_layers is None else f' or the last, {num_layers - 1}'})")
-  out = []
-  for shard in shards:
-    entry = manifest["shards"].get(shard.name)
-    if entry is None:
-      raise data_lib.DataError(f"{folder}: no features for data shard {shard.name} (run "
-                               f"`redrafter-jax features --data {shard.parent} --out {folder}`)")
-    if entry["sha256"] != sha256(shard):
-      raise data_lib.DataError(f"{folder}: features of {shard.name} were made from other data "
-                               "(its SHA-256 differs)")
-    out.append(folder / entry["file"])
-  return out, feature_columns(stored, feature_layers, s["hidden_size"], num_layers)

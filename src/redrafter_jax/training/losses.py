@@ -35,6 +35,14 @@ Copy hint (``DrafterConfig.copy_ngram``): step i at position t reads the hint at
 over the row's tokens so far, within its packed sequence (``context_copy.teacher_forced_hints``),
 as decoding's beam search reads it at the same tokens.
 
+Positions the lookup covers (``LossConfig.lookup_covered_weight`` w != 1): decoding's tree also
+holds the context-lookup beam, so at a position where the lookup's first token is right (the
+copy hint over up to ``lookup_ngram`` tokens, ``context_copy.teacher_forced_hints``, at step 1)
+the tree accepts that token whatever the drafter says, and the drafter adds tokens there only by
+out-running the lookup. Every step of such a position weighs w in the objective (the
+cross-entropy and ranking terms are then weighted means); the per-step metrics stay unweighted,
+so runs with different w compare.
+
 Context attention (``DrafterConfig.context_attention``): the memory holds every position of the
 row (``Drafter.memory_entries`` from the context vectors and tokens), and the steps at position t
 read the positions j <= t of t's packed sequence (``context_attention.causal_visible``): what
@@ -49,7 +57,8 @@ beat it), which avoids a sort over V.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +66,57 @@ import jax.numpy as jnp
 from redrafter_jax.models.context_attention import ContextMemory, causal_visible
 from redrafter_jax.models.context_copy import CopyHint, teacher_forced_hints
 from redrafter_jax.models.drafter import Drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The static settings of ``distill_loss``.
+
+  Attributes:
+    num_steps: n, drafter steps per position (``beam_length - 1`` at decode).
+    chunk: positions per chunk of logits (bounds the ``[B, chunk, n, V]`` memory).
+    soft: cross-entropy against the LLM's distribution (needs ``LossBatch.teacher_out_VD``).
+    step_weight_decay: d; step i (0-based) weighs ``d**i``.
+    self_feed: p, the training-time test's share of self-fed (position, step > 1) pairs.
+    rank_weight: w of the ranking loss (0: off; needs ``teacher_out_VD``).
+    rank_top_k: how many of the LLM's best tokens the ranking loss orders.
+    lookup_covered_weight: the objective's weight of positions where the context lookup's
+      first token is right (1.0: every position the same).
+    lookup_ngram: the longest n-gram the lookup matches (decoding's ``lookup_ngram``).
+  """
+
+  num_steps: int
+  chunk: int = 64
+  soft: bool = False
+  step_weight_decay: float = 1.0
+  self_feed: float = 0.0
+  rank_weight: float = 0.0
+  rank_top_k: int = 8
+  lookup_covered_weight: float = 1.0
+  lookup_ngram: int = 3
+
+
+class LossBatch(NamedTuple):
+  """What one batch's loss reads. The LLM's arrays get no gradient.
+
+  Attributes:
+    hidden_BTD: the frozen LLM's hidden states (after the final norm) for ``tokens_BT``.
+    embedding_VD: the LLM's input embedding table.
+    tokens_BT: packed rows of token ids.
+    loss_mask_BT: 1 at response tokens (the only targets that count).
+    segment_ids_BT: packed-sequence ids (0: padding).
+    context_BTX: what a multi-layer drafter reads instead of ``hidden_BTD`` (None: the hidden
+      states).
+    teacher_out_VD: the LLM's output projection, for soft targets and the ranking loss.
+  """
+
+  hidden_BTD: jax.Array
+  embedding_VD: jax.Array
+  tokens_BT: jax.Array
+  loss_mask_BT: jax.Array
+  segment_ids_BT: jax.Array
+  context_BTX: jax.Array | None = None
+  teacher_out_VD: jax.Array | None = None
 
 
 def future_window(x_BT: jax.Array, offset: int, n: int, fill=0) -> jax.Array:
@@ -116,13 +176,14 @@ def plackett_luce_nll(logits_xV: jax.Array, ranked_xK: jax.Array) -> jax.Array:
 
 
 def _chunk_sums(drafter, soft, embed_VD, memory_kv, h_BPD, prev_emb_BPnD, targets_BPn,
-                weights_BPn, ce_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK, hint_tok_BPn,
+                weights_BPn, ce_weights_BPn, obj_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK, hint_tok_BPn,
                 hint_len_BPn, pos_BP, seg_BP):
-  """Per-step sums over one chunk: cross-entropy, top-1 hits, top-5 hits, ranking loss (each
-  ``[n]``).
+  """Per-step sums over one chunk: cross-entropy, the objective's weighted cross-entropy, top-1
+  hits, top-5 hits, the objective's weighted ranking loss (each ``[n]``).
 
   ``targets`` index the drafter's output rows; ``weights`` are 0 for targets that do not count
-  (accuracies), ``ce_weights`` for those the cross-entropy skips. With ``soft`` the
+  (accuracies), ``ce_weights`` for those the cross-entropy skips, ``obj_weights`` the
+  objective's (``ce_weights`` times each position's weight). With ``soft`` the
   cross-entropy is against the LLM's distributions ``teacher_p`` over the same rows. ``own``
   (or None): steps that read the drafter's own previous argmax; ``ranked`` (K may be 0): the
   LLM's top-K rows for the ranking loss; ``hint_*`` (or None): the copy hints. ``memory_kv``
@@ -143,13 +204,22 @@ def _chunk_sums(drafter, soft, embed_VD, memory_kv, h_BPD, prev_emb_BPnD, target
   else:
     ce_BPn = logz_BPn - target_logit_BPn
   ce_n = jnp.sum(ce_BPn * ce_weights_BPn, axis=(0, 1))
+  obj_n = jnp.sum(ce_BPn * obj_weights_BPn, axis=(0, 1))
   top1_n = jnp.sum((rank_BPn < 1) * weights_BPn, axis=(0, 1))
   top5_n = jnp.sum((rank_BPn < 5) * weights_BPn, axis=(0, 1))
   rank_loss_n = jnp.zeros_like(ce_n)
   if ranked_BPnK.shape[-1]:
-    rank_loss_n = jnp.sum(plackett_luce_nll(logits_BPnV, ranked_BPnK) * ce_weights_BPn,
+    rank_loss_n = jnp.sum(plackett_luce_nll(logits_BPnV, ranked_BPnK) * obj_weights_BPn,
                           axis=(0, 1))
-  return ce_n, top1_n, top5_n, rank_loss_n
+  return ce_n, obj_n, top1_n, top5_n, rank_loss_n
+
+
+def lookup_covered(tokens_BT, next_target_BT, segment_ids_BT, lookup_ngram: int) -> jax.Array:
+  """Where the context lookup's first token is right: at position t (step 1 reads token t+1 and
+  predicts ``next_target[t]`` = token t+2), the copy hint at t+1 over up to ``lookup_ngram``
+  tokens of t's packed sequence fires and equals the target (``[B, T]`` bool)."""
+  hint = teacher_forced_hints(tokens_BT, 1, max_ngram=lookup_ngram, segment_BT=segment_ids_BT)
+  return (hint.length_x[:, :, 0] > 0) & (hint.token_x[:, :, 0] == next_target_BT)
 
 
 def restricted_targets(targets_BTn, vocab_ids_R, vocab_size: int):
@@ -160,42 +230,35 @@ def restricted_targets(targets_BTn, vocab_ids_R, vocab_size: int):
   return jnp.maximum(rows_BTn, 0), rows_BTn >= 0
 
 
-def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BTD: jax.Array,
-                 embedding_VD: jax.Array, tokens_BT: jax.Array, loss_mask_BT: jax.Array,
-                 segment_ids_BT: jax.Array, *, num_steps: int, chunk: int = 64,
-                 vocab_ids_R: jax.Array | None = None, teacher_out_VD: jax.Array | None = None,
-                 step_weight_decay: float = 1.0, context_BTX: jax.Array | None = None,
-                 soft: bool | None = None, self_feed: float = 0.0,
-                 rng: jax.Array | None = None, rank_weight: float = 0.0, rank_top_k: int = 8):
-  """``(loss, metrics)`` for a batch; differentiable in ``drafter_params`` only.
+def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, batch: LossBatch,
+                 config: LossConfig, *, vocab_ids_R: jax.Array | None = None,
+                 rng: jax.Array | None = None):
+  """The distillation loss of one batch; differentiable in ``drafter_params`` only.
 
-  ``drafter_of(params)`` builds the drafter from its parameters (e.g. ``nnx.merge`` with the
-  graph definition and any non-trained state). ``hidden_BTD`` are the frozen LLM's hidden
-  states (after the final norm) for ``tokens_BT``; ``embedding_VD`` is its input embedding
-  table. ``metrics`` holds per-step arrays ``[n]``: ``loss_n`` (mean cross-entropy), ``top1_n``,
-  ``top5_n`` (accuracies), ``count_n`` (targets), ``coverage_n`` (share of targets the drafter's
-  vocabulary holds).
+  Args:
+    drafter_of: builds the drafter from its parameters (e.g. ``nnx.merge`` with the graph
+      definition and any non-trained state).
+    drafter_params: the trained parameters.
+    batch: the rows and the frozen LLM's arrays (``LossBatch``).
+    config: the loss's static settings (``LossConfig``; the module docstring describes each
+      option).
+    vocab_ids_R: the drafter scores only these tokens (``restrict_vocab``; output row r is token
+      ``vocab_ids_R[r]``). Cross-entropy is then over the R tokens and averages over the targets
+      among them (soft targets: over every counted target); accuracies still count every target
+      (one outside the R is a miss).
+    rng: the self-fed positions' key (needed when ``config.self_feed`` > 0).
 
-  ``vocab_ids_R``: the drafter scores only these tokens (``restrict_vocab``; output row r is
-  token ``vocab_ids_R[r]``). Cross-entropy is then over the R tokens and averages over the
-  targets among them; accuracies still count every target (one outside the R is a miss).
-
-  ``teacher_out_VD``: the LLM's output projection ``[V, D]``; given, the cross-entropy is
-  against the LLM's distribution (soft targets, see the module docstring; over the R tokens
-  when ``vocab_ids_R`` is given) and averages over every counted target. Accuracies are
-  unchanged (against the data tokens).
-
-  ``step_weight_decay`` d: the loss is ``sum_i d**i * loss_n[i]`` (``loss_n`` itself, in the
-  metrics, stays unweighted so runs with different d compare).
-
-  ``context_BTX``: what the drafter reads instead of ``hidden_BTD`` (a multi-layer drafter's
-  concatenated layer states; see the module docstring). ``soft``: cross-entropy against the
-  LLM's distribution (None: whenever ``teacher_out_VD`` is given). ``self_feed`` p with ``rng``:
-  training-time test (module docstring). ``rank_weight`` w > 0 (needs ``teacher_out_VD``): the
-  loss adds ``w * rank_n[i]`` per step, the ranking loss over the LLM's ``rank_top_k`` best
-  tokens; ``rank_n`` joins the metrics.
+  Returns:
+    ``(loss, metrics)``: the objective ``sum_i d**i * (loss_n[i] + w * rank_n[i])`` and per-step
+    arrays ``[n]``: ``loss_n`` (mean cross-entropy, unweighted by ``lookup_covered_weight``),
+    ``top1_n``, ``top5_n`` (accuracies against the data tokens), ``count_n`` (targets),
+    ``coverage_n`` (share of targets the drafter's vocabulary holds), and ``rank_n`` with the
+    ranking loss on.
   """
-  n = num_steps
+  hidden_BTD, embedding_VD, tokens_BT, loss_mask_BT, segment_ids_BT, context_BTX, \
+      teacher_out_VD = batch
+  soft, rank_weight = config.soft, config.rank_weight
+  n = config.num_steps
   B, T, D = hidden_BTD.shape
   # Both come from the frozen LLM: no gradient may flow back into it.
   hidden_BTD = jax.lax.stop_gradient(hidden_BTD)
@@ -205,7 +268,6 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   prev_emb_BTnD = jnp.take(embedding_VD, future_window(tokens_BT, 1, n), axis=0)
   weights_BTn = counts_BTn.astype(jnp.float32)
   count_n = jnp.sum(weights_BTn, axis=(0, 1))
-  soft = teacher_out_VD is not None if soft is None else soft
   if (soft or rank_weight > 0) and teacher_out_VD is None:
     raise ValueError("soft targets and the ranking loss need teacher_out_VD")
   teacher_p_BTnV = jnp.zeros((B, T, n, 0), jnp.float32)
@@ -221,12 +283,12 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
     if soft:  # the window holds [B, T, n, V] floats (400 MB at B=8, T=384, n=4, V=8192)
       teacher_p_BTnV = future_window(jax.nn.softmax(teacher_BTV, -1), 1, n)
     if rank_weight > 0:
-      ranked_BTnK = future_window(jax.lax.top_k(teacher_BTV, rank_top_k)[1], 1, n)
+      ranked_BTnK = future_window(jax.lax.top_k(teacher_BTV, config.rank_top_k)[1], 1, n)
   own_BTn = None
-  if self_feed > 0:
+  if config.self_feed > 0:
     if rng is None:
       raise ValueError("self_feed needs rng")
-    own_BTn = jax.random.bernoulli(rng, self_feed, (B, T, n)).at[:, :, 0].set(False)
+    own_BTn = jax.random.bernoulli(rng, config.self_feed, (B, T, n)).at[:, :, 0].set(False)
   context_BTX = hidden_BTD if context_BTX is None else jax.lax.stop_gradient(context_BTX)
   drafter = drafter_of(drafter_params)
   # The drafter's context vector at every position, once (not per chunk: the context attention
@@ -240,13 +302,20 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   copy_ngram = drafter.config.copy_ngram
   if copy_ngram:
     hint_BTn = teacher_forced_hints(tokens_BT, n, max_ngram=copy_ngram, segment_BT=segment_ids_BT)
+  # The objective's weights: the lookup-covered positions' (every step) weigh less or more.
+  position_w_BT = jnp.ones((B, T), jnp.float32)
+  if config.lookup_covered_weight != 1.0:
+    covered_BT = lookup_covered(tokens_BT, targets_BTn[:, :, 0], segment_ids_BT,
+                                config.lookup_ngram)
+    position_w_BT = jnp.where(covered_BT, jnp.float32(config.lookup_covered_weight), 1.0)
   if vocab_ids_R is not None:
     targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_R,
                                                    embedding_VD.shape[0])
     weights_BTn = weights_BTn * in_vocab_BTn
   # Hard targets outside the drafter's vocabulary have no cross-entropy; soft ones always do.
   ce_weights_BTn = counts_BTn.astype(jnp.float32) if soft else weights_BTn
-  P = min(chunk, T)
+  obj_weights_BTn = ce_weights_BTn * position_w_BT[:, :, None]
+  P = min(config.chunk, T)
   num_chunks = -(-T // P)
   pad_T = num_chunks * P - T
 
@@ -265,17 +334,19 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, hidden_BT
   pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   xs = tuple(None if x is None else chunked(x)
              for x in (h_BTD, prev_emb_BTnD, targets_BTn, weights_BTn, ce_weights_BTn,
-                       teacher_p_BTnV, own_BTn, ranked_BTnK, hint_BTn.token_x,
+                       obj_weights_BTn, teacher_p_BTnV, own_BTn, ranked_BTnK, hint_BTn.token_x,
                        hint_BTn.length_x, pos_BT, segment_ids_BT))
-  (ce_n, top1_n, top5_n, rank_sum_n), _ = jax.lax.scan(body, (zeros_n,) * 4, xs)
+  (ce_n, obj_n, top1_n, top5_n, rank_sum_n), _ = jax.lax.scan(body, (zeros_n,) * 5, xs)
   scored_n = jnp.sum(weights_BTn, axis=(0, 1))
   denom_n = jnp.maximum(count_n, 1.0)
   ce_count_n = jnp.maximum(jnp.sum(ce_weights_BTn, axis=(0, 1)), 1.0)
+  obj_count_n = jnp.maximum(jnp.sum(obj_weights_BTn, axis=(0, 1)), 1e-6)
   loss_n = ce_n / ce_count_n
   metrics = dict(loss_n=loss_n, top1_n=top1_n / denom_n, top5_n=top5_n / denom_n,
                  count_n=count_n, coverage_n=scored_n / denom_n)
-  weights_n = step_weight_decay ** jnp.arange(n, dtype=jnp.float32)
+  weights_n = config.step_weight_decay ** jnp.arange(n, dtype=jnp.float32)
+  objective_n = obj_n / obj_count_n
   if rank_weight > 0:
-    metrics["rank_n"] = rank_sum_n / ce_count_n
-    return jnp.sum(weights_n * (loss_n + rank_weight * metrics["rank_n"])), metrics
-  return jnp.sum(weights_n * loss_n), metrics
+    metrics["rank_n"] = rank_sum_n / obj_count_n
+    objective_n = objective_n + rank_weight * metrics["rank_n"]
+  return jnp.sum(weights_n * objective_n), metrics

@@ -149,21 +149,20 @@ class LossSpec:
   llm_graphdef: Any
   drafter_of: Any  # params -> the drafter the loss trains
   vocab_ids_R: Any  # a restricted head's token ids, or None
-  num_steps: int
-  chunk: int
-  soft_targets: bool = False
-  step_weight_decay: float = 1.0
+  loss: losses.LossConfig
   feature_layers: tuple[int, ...] = ()  # the drafter's (DrafterConfig.feature_layers)
-  self_feed: float = 0.0
-  rank_weight: float = 0.0
-  rank_top_k: int = 8
   seed: int = 0
 
   @classmethod
-  def make(cls, llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers=()) -> "LossSpec":
-    return cls(llm_graphdef, drafter_of, vocab_ids_R, cfg.num_draft_steps, cfg.loss_chunk,
-               cfg.soft_targets, cfg.step_weight_decay, tuple(feature_layers), cfg.self_feed,
-               cfg.rank_loss_weight, cfg.rank_top_k, cfg.seed)
+  def make(cls, llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers=(),
+           lookup_ngram: int = 3) -> "LossSpec":
+    """From the recipe ``cfg`` (``TrainConfig``); ``lookup_ngram`` is decoding's."""
+    loss = losses.LossConfig(
+        num_steps=cfg.num_draft_steps, chunk=cfg.loss_chunk, soft=cfg.soft_targets,
+        step_weight_decay=cfg.step_weight_decay, self_feed=cfg.self_feed,
+        rank_weight=cfg.rank_loss_weight, rank_top_k=cfg.rank_top_k,
+        lookup_covered_weight=cfg.lookup_covered_weight, lookup_ngram=lookup_ngram)
+    return cls(llm_graphdef, drafter_of, vocab_ids_R, loss, tuple(feature_layers), cfg.seed)
 
 
 def _batch_loss(spec: LossSpec, llm_state, batch, step=None):
@@ -184,19 +183,18 @@ def _batch_loss(spec: LossSpec, llm_state, batch, step=None):
                                                      segments_BT, spec.feature_layers)
   if not spec.feature_layers:
     context_BTX = None
-  teacher = spec.soft_targets or spec.rank_weight > 0
+  config = spec.loss
+  teacher = config.soft or config.rank_weight > 0
   teacher_out_VD = llm.output_matrix() if teacher else None
-  self_feed = spec.self_feed if step is not None else 0.0
-  rng = (jax.random.fold_in(jax.random.key(spec.seed), step) if self_feed > 0 else None)
+  if step is None:
+    config = dataclasses.replace(config, self_feed=0.0)
+  rng = (jax.random.fold_in(jax.random.key(spec.seed), step) if config.self_feed > 0 else None)
+  inputs = losses.LossBatch(hidden_BTD, embedding_VD, tokens_BT, batch["loss_mask"], segments_BT,
+                            context_BTX, teacher_out_VD)
 
   def loss_fn(params):
-    return losses.distill_loss(spec.drafter_of, params, hidden_BTD, embedding_VD, tokens_BT,
-                               batch["loss_mask"], segments_BT, num_steps=spec.num_steps,
-                               chunk=spec.chunk, vocab_ids_R=spec.vocab_ids_R,
-                               teacher_out_VD=teacher_out_VD, soft=spec.soft_targets,
-                               step_weight_decay=spec.step_weight_decay,
-                               context_BTX=context_BTX, self_feed=self_feed, rng=rng,
-                               rank_weight=spec.rank_weight, rank_top_k=spec.rank_top_k)
+    return losses.distill_loss(spec.drafter_of, params, inputs, config,
+                               vocab_ids_R=spec.vocab_ids_R, rng=rng)
 
   return loss_fn
 
@@ -607,7 +605,8 @@ def train(preset: Preset, *, stop_after: int | None = None, save_at_stop: bool =
     log.info("resuming at step %d of %d", start, num_steps)
 
   # Held-out evaluation scores the float32 drafter whatever the step multiplies in.
-  loss_spec = LossSpec.make(llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers)
+  loss_spec = LossSpec.make(llm_graphdef, drafter_of, vocab_ids_R, cfg, feature_layers,
+                            preset.decode.lookup_ngram)
   train_spec = dataclasses.replace(loss_spec, drafter_of=train_drafter_of)
   step_fn = jax.jit(
       functools.partial(_train_step, train_spec, tx, schedule),

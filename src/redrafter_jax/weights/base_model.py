@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redrafter_jax.config import ConfigError, LlamaConfig
-from redrafter_jax.models.linear import resolve_param_dtype
 from redrafter_jax.models.llama import Llama, stack_layers
 from redrafter_jax.weights.llama_weights import load_llama, resolve_source
+from redrafter_jax.weights.param_dtype import weights_dtype
 from redrafter_jax.weights.tokenizer import ByteTokenizer, load_tokenizer
 
 RANDOM_PREFIX = "random:"
@@ -60,9 +60,9 @@ def load_base_model(spec: str, *, dtype: str = "float32", param_dtype: str | Non
                     backend: str = "xla") -> tuple[Llama, LlamaConfig]:
   """The base LLM for a model spec (known name, path, or ``random:<spec>``), with activations
   in ``dtype`` and weights in ``param_dtype`` (None: ``dtype``; "auto": the platform's faster
-  one, ``linear.resolve_param_dtype``); ``sharding``, ``scan_layers``, ``invariant`` and the
+  one; ``weights.param_dtype.weights_dtype``); ``sharding``, ``scan_layers``, ``invariant`` and the
   attention ``backend`` as for ``load_llama``."""
-  param_dtype = resolve_param_dtype(param_dtype, dtype)
+  param_dtype = weights_dtype(param_dtype, dtype=dtype)
   for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
     if value not in DTYPES:
       raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {value!r}")

@@ -58,26 +58,6 @@ def draft_vocab_for(path, requested: int | None = None) -> int:
   return int(decode_defaults(path).get("draft_vocab_size", 0))
 
 
-PARAM_DTYPES = ("float32", "bfloat16", "auto")
-
-
-def param_dtype_for(path, requested: str | None = None) -> str:
-  """``requested`` if given, else the LLM weight dtype the drafter's settings were measured
-  with (its decode.json ``param_dtype``), else float32. "auto" (recorded or requested) is the
-  platform's faster one, ``linear.preferred_param_dtype()`` (bfloat16 off the CPU and on CPUs
-  with bf16 instructions, float32 on other CPUs). Raises ``ValueError`` for any other value."""
-  if requested is not None:
-    value, source = requested, "requested"
-  else:
-    value = decode_defaults(path).get("param_dtype", "float32")
-    source = pathlib.Path(path) / "decode.json"
-  if value not in PARAM_DTYPES:
-    raise ValueError(f"{source}: param_dtype must be one of {PARAM_DTYPES}, got {value!r}")
-  from redrafter_jax.models.linear import resolve_param_dtype
-
-  return resolve_param_dtype(value)
-
-
 def recommended_config(path, *, beam_width: int | None = None, beam_length: int | None = None,
                        lookup_ngram: int | None = None, token_budget: int | None = None,
                        draft_vocab_size: int | None = None, max_new_tokens: int = 128,
