@@ -35,7 +35,8 @@ NEGATIVE_NUMBER = re.compile(r"-\d")
 
 def documents() -> list[pathlib.Path]:
   return [README, *sorted((REPO / "docs").glob("*.md")), REPO / "results" / "README.md",
-          REPO / "checkpoints" / "README.md", REPO / "results" / "drafter-stages.md"]
+          REPO / "checkpoints" / "README.md", REPO / "results" / "drafter-stages.md",
+          REPO / "configs" / "stages" / "README.md"]
 
 
 def command_documents() -> list[pathlib.Path]:

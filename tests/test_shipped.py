@@ -61,7 +61,7 @@ def test_shipped_settings_are_valid():
   assert cfg.beam_width >= 1 and cfg.draft_vocab_size > 0
 
 
-@pytest.mark.parametrize("name", ["smollm2_135m.yaml", "smollm2_135m_finetune.yaml"])
+@pytest.mark.parametrize("name", ["smollm2_135m.yaml", "stages/smollm2_135m_finetune.yaml"])
 def test_presets_decode_like_the_shipped_drafter(name):
   """The presets that trained the shipped drafter carry its recorded decoding settings."""
   import pathlib
