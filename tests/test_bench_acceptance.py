@@ -288,6 +288,22 @@ def _tiny_answers(tmp_path, drafter, llm):
   return rows
 
 
+def _reference_lookup(seq, max_ngram):
+  """For each j, the token that followed the latest earlier end of the longest suffix of
+  ``seq[:j+1]`` (up to ``max_ngram`` tokens) that occurred before; -1 where none did."""
+  out = []
+  for j in range(len(seq)):
+    best = None  # (length, end)
+    for e in range(j):
+      k = 0
+      while k < max_ngram and e - k >= 0 and seq[e - k] == seq[j - k]:
+        k += 1
+      if k and (best is None or (k, e) > best):
+        best = (k, e)
+    out.append(seq[best[1] + 1] if best else -1)
+  return np.array(out)
+
+
 def test_scores_join_the_hits_with_the_copy_rule(tmp_path):
   """``score_answers``' positions: step-1 hits equal ``teacher_forced_hits``', the copy rule
   is the loop's at the same alignment (the guess for the step-1 target), and two copies of a
@@ -310,7 +326,10 @@ def test_scores_join_the_hits_with_the_copy_rule(tmp_path):
     guess = _reference_copy_rule(prompt + answer)[len(prompt) + scored.position_N[rows] - 1]
     np.testing.assert_array_equal(scored.rule_hit_N[rows], guess == scored.target_N[rows])
     np.testing.assert_array_equal(scored.rule_fires_N[rows], guess >= 0)
+    looked = _reference_lookup(prompt + answer, 3)[len(prompt) + scored.position_N[rows] - 1]
+    np.testing.assert_array_equal(scored.lookup_hit_N[rows], looked == scored.target_N[rows])
   assert at == scored.answer_N.size and scored.rule_hit_N.any()
+  assert (scored.lookup_hit_N >= scored.rule_hit_N).mean() > 0.9  # it fires more often
   summary = acceptance.summarize(scored, 4)
   assert list(summary) == ["a", "b", "all"]
   assert summary["b"]["answers"] == 2 and summary["all"]["positions"] == at

@@ -34,16 +34,19 @@ exactly and in minutes on a CPU::
       --drafter shipped --drafter runs/drafter_v1 --out runs/acceptance_v1
 
 With two or more drafters it gives, per category and overall, the difference of each against
-the first at step-1 and step-2 top-1, the W=1 run and step 1 "or rule" (the drafter's top-1 or
-the copy rule right: what a tree that also holds the lookup beam accepts at step 1; the number
-to compare for drafters decoded with ``lookup_ngram``), with a paired bootstrap 95% interval
+the first at step-1 and step-2 top-1, the W=1 run, step 1 "or rule" (the drafter's top-1 or
+the copy rule right) and step 1 "or lookup" (the drafter's top-1 or the context lookup's first
+token right: the copy over up to ``--lookup-ngram`` tokens that decoding's lookup beam proposes,
+``training.losses.lookup_covered``, what a tree that also holds the lookup beam accepts at step
+1; the number to compare for drafters decoded with ``lookup_ngram``), with a paired bootstrap
+95% interval
 (``paired_bootstrap``: answers are resampled, not positions, since the positions of one answer
 are correlated). It also joins every position with the copy rule (``copy_rule``: the token that
 followed the latest earlier occurrence of the current two tokens in prompt + answer): the
 rule's hit rate, the share of positions where the drafter or the rule is right, how much of it
 the drafter alone captures and its hit rate where the rule is right. ``--out DIR`` writes
 ``report.md``, ``scores.json`` and ``positions.npz`` (every position: category, answer,
-position, target, each drafter's step-1 hit, the rule).
+position, target, each drafter's step-1 hit, the rule, the lookup).
 
 Generating answers (``--prompts``) is most of a run's time; ``--answers`` keeps them in a JSONL
 file keyed by model, prompt tokens and answer length, so later runs only score.
@@ -70,7 +73,7 @@ from redrafter_jax.helptext import show_defaults
 from redrafter_jax.models.context_attention import ContextMemory, committed_visible
 from redrafter_jax.models.context_copy import copy_hints
 from redrafter_jax.models.drafter import restrict_vocab
-from redrafter_jax.training.losses import frozen_features
+from redrafter_jax.training.losses import frozen_features, lookup_covered
 from redrafter_jax.weights.tokenizer import encode, stop_token_ids
 
 
@@ -377,7 +380,8 @@ class Scored:
   the token step 1 guesses; the drafter reads the LLM's state two tokens before it and the
   token before it), ``target_N`` (that token), ``hits_KNn`` (drafter k's top-1 at step i is the
   LLM's token, ``teacher_forced_hits``), ``rule_fires_N`` / ``rule_hit_N`` (the copy rule
-  guesses / guesses right at step 1); ``beams``: each drafter's ``BeamHits`` (with --beams)."""
+  guesses / guesses right at step 1), ``lookup_hit_N`` (the context lookup's first token is
+right); ``beams``: each drafter's ``BeamHits`` (with --beams)."""
 
   categories: list[str]  # of the answers
   answer_N: np.ndarray
@@ -386,6 +390,7 @@ class Scored:
   hits_KNn: np.ndarray
   rule_fires_N: np.ndarray
   rule_hit_N: np.ndarray
+  lookup_hit_N: np.ndarray
   beams: list[BeamHits] | None = None
 
   @property
@@ -405,10 +410,11 @@ class Scored:
 
 
 def score_answers(llm, drafters, answers, n: int, beams: int = 0,
-                  progress: bool = True) -> Scored:
+                  progress: bool = True, lookup_ngram: int = 3) -> Scored:
   """Score every drafter on every answer (``eval_set.EvalAnswer``s): teacher-forced hits at
   every position (one LLM forward per answer and feature-layer choice), beam search with
-  ``beams`` > 0, and the copy rule at step 1."""
+  ``beams`` > 0, and the copy rule and the context lookup (n-grams up to ``lookup_ngram``) at
+  step 1."""
   parts = collections.defaultdict(list)
   beam_parts = [[] for _ in drafters]
   for a, ans in enumerate(answers):
@@ -426,14 +432,19 @@ def score_answers(llm, drafters, answers, n: int, beams: int = 0,
         beam_parts[j].append(beam_hits(llm, d, prompt, answer, n, beams, pos))
     if hits:
       starts = pos.starts
-      guess_T, fires_T = copy_rule(pos.seq[:len(prompt) + len(answer)])
+      seq_T = pos.seq[:len(prompt) + len(answer)]
+      guess_T, fires_T = copy_rule(seq_T)
       target = pos.seq[starts + 2]
+      seq_1T = jnp.asarray(seq_T[None], jnp.int32)
+      covered_T = np.asarray(lookup_covered(seq_1T, jnp.pad(seq_1T[:, 2:], ((0, 0), (0, 2))),
+                                            jnp.ones_like(seq_1T), lookup_ngram))[0]
       parts["answer"].append(np.full(starts.shape, a))
       parts["position"].append(starts + 2 - len(prompt))
       parts["target"].append(target)
       parts["hits"].append(np.stack(hits))
       parts["fires"].append(fires_T[starts + 1])
       parts["rule_hit"].append(fires_T[starts + 1] & (guess_T[starts + 1] == target))
+      parts["lookup_hit"].append(covered_T[starts])
     if progress:
       print(f"\r{a + 1}/{len(answers)} answers", end="", file=sys.stderr, flush=True)
   if progress:
@@ -443,19 +454,21 @@ def score_answers(llm, drafters, answers, n: int, beams: int = 0,
   return Scored([ans.category for ans in answers], np.concatenate(parts["answer"]),
                 np.concatenate(parts["position"]), np.concatenate(parts["target"]),
                 np.concatenate(parts["hits"], axis=1), np.concatenate(parts["fires"]),
-                np.concatenate(parts["rule_hit"]),
+                np.concatenate(parts["rule_hit"]), np.concatenate(parts["lookup_hit"]),
                 [BeamHits.concat(b) for b in beam_parts] if beams else None)
 
 
 def metric_values(scored: Scored, L: int) -> dict[str, np.ndarray]:
   """The per-position values ``[K, N]`` whose means the bench reports and compares: top-1 at
-  steps 1 and 2, the W=1 run at L, and step 1 "or rule": the drafter's top-1 or the copy rule
-  is the target, what a tree that also holds the context-lookup beam can accept at step 1 (a
-  drafter that only learns to copy where the rule already does gains top-1, not this)."""
+  steps 1 and 2, the W=1 run at L, step 1 "or rule" (the drafter's top-1 or the copy rule is
+  the target) and step 1 "or lookup" (the drafter's top-1 or the context lookup's first token
+  is the target): what a tree that also holds the context-lookup beam can accept at step 1 (a
+  drafter that only learns to copy where the lookup already does gains top-1, not this)."""
   hits_KNn = scored.hits_KNn
   out = {f"top-1 s{i + 1}": hits_KNn[:, :, i] for i in range(min(hits_KNn.shape[2], 2))}
   out[f"W=1 run L={L}"] = np.stack([runs(h, L) for h in hits_KNn])
   out["s1 or rule"] = hits_KNn[:, :, 0] | scored.rule_hit_N[None]
+  out["s1 or lookup"] = hits_KNn[:, :, 0] | scored.lookup_hit_N[None]
   return out
 
 
@@ -556,7 +569,7 @@ def write_positions(scored: Scored, specs: list[str], path: pathlib.Path) -> Non
   """Every scored position, joined with the copy rule, as a compressed ``.npz``: ``category``
   (index into ``category_names``), ``answer``, ``position``, ``target``, ``hit`` ``[N, K]``
   (drafter k's step-1 top-1 is the target; ``drafters`` names them), ``rule_fires``,
-  ``rule_hit``."""
+  ``rule_hit``, ``lookup_hit``."""
   names = sorted(set(scored.categories))
   index = {c: i for i, c in enumerate(names)}
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -565,7 +578,8 @@ def write_positions(scored: Scored, specs: list[str], path: pathlib.Path) -> Non
       category=np.array([index[c] for c in scored.category_N], np.int16),
       answer=scored.answer_N.astype(np.int32), position=scored.position_N.astype(np.int32),
       target=scored.target_N.astype(np.int32), hit=scored.hits_KNn[:, :, 0].T,
-      rule_fires=scored.rule_fires_N, rule_hit=scored.rule_hit_N)
+      rule_fires=scored.rule_fires_N, rule_hit=scored.rule_hit_N,
+      lookup_hit=scored.lookup_hit_N)
 
 
 def _load_answers(args, llm_model_name: str, tok, llm, stop_ids):
@@ -662,6 +676,9 @@ def main(argv=None) -> int:
   ap.add_argument("--max-new-tokens", type=int, default=128,
                   help="--prompts: answer tokens at most")
   ap.add_argument("--steps", type=int, default=4, help="draft steps n (L = n + 1 at most)")
+  ap.add_argument("--lookup-ngram", type=int, default=3,
+                  help="the context lookup's longest n-gram, for the 's1 or lookup' column "
+                  "(decoding's lookup_ngram)")
   ap.add_argument("--beams", type=int, default=0,
                   help="also run beam search of this width W (L = steps + 1) at every position "
                   "(0: off)")
@@ -669,9 +686,10 @@ def main(argv=None) -> int:
                   help="write report.md, scores.json and positions.npz (every position) here")
   args = ap.parse_args(argv)
   specs = args.drafter or ["shipped"]
-  if args.steps < 1 or args.per_category < 1 or args.skip_per_category < 0 or args.beams < 0:
-    print("error: --steps and --per-category must be >= 1, --skip-per-category and --beams "
-          ">= 0", file=sys.stderr)
+  if (args.steps < 1 or args.per_category < 1 or args.skip_per_category < 0 or args.beams < 0
+      or args.lookup_ngram < 1):
+    print("error: --steps, --per-category and --lookup-ngram must be >= 1, "
+          "--skip-per-category and --beams >= 0", file=sys.stderr)
     return 2
   if args.save_eval_set is not None and args.prompts is None and args.shard is None:
     print("error: --save-eval-set keeps answers made by --prompts or read by --shard",
@@ -705,7 +723,8 @@ def main(argv=None) -> int:
           file=sys.stderr)
   n, L = args.steps, args.steps + 1
   scored_at = time.perf_counter()
-  scored = score_answers(llm, drafters, answers, n, args.beams)
+  scored = score_answers(llm, drafters, answers, n, args.beams,
+                         lookup_ngram=args.lookup_ngram)
   summary = summarize(scored, L, args.beams)
   seconds, score_seconds = time.perf_counter() - start, time.perf_counter() - scored_at
 
