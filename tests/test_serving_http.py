@@ -332,7 +332,12 @@ def test_queue_limit_429_and_disconnect_frees_the_slot(one_slot):
   try:
     with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
                       timeout=120) as first:
-      event = next(line for line in first.iter_lines() if line.startswith("data: "))  # in the slot
+      # Hold the line iterator: a generator expression over ``first.iter_lines()`` alone would
+      # be freed after ``next`` and finalize it, which closes the stream, and the server would
+      # cancel the request as a disconnect long before the test leaves the block (under load
+      # the freed slot then went to the waiting request, which never reached the queue).
+      lines = first.iter_lines()
+      event = next(line for line in lines if line.startswith("data: "))  # in the slot
       result = {}
 
       def wait_in_queue():  # queued behind the gated stream: it must outlast the checks below
