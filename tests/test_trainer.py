@@ -10,7 +10,7 @@ import pytest
 
 from redrafter_jax import cli
 from redrafter_jax.config import ConfigError, load_preset
-from redrafter_jax.training import data, trainer
+from redrafter_jax.training import data, optimizer, timebox, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -481,7 +481,7 @@ def test_shipped_configs_load(path):
 
 
 class FakeClock:
-  """A clock for ``trainer._clock`` whose every reading is ``tick`` seconds after the last."""
+  """A clock for ``timebox.clock`` whose every reading is ``tick`` seconds after the last."""
 
   def __init__(self, tick: float):
     self.now, self.tick = 0.0, tick
@@ -494,8 +494,8 @@ class FakeClock:
 # With FakeClock(TICK) the probe's PROBE_STEPS steps take TICK: this pace per step (exact in
 # binary, so the fitted counts below are exact).
 PACE = 0.25
-TICK = trainer.PROBE_STEPS * PACE
-DECIDED_AT = 1 + trainer.PROBE_STEPS  # the probe ends PROBE_STEPS steps after the first
+TICK = timebox.PROBE_STEPS * PACE
+DECIDED_AT = 1 + timebox.PROBE_STEPS  # the probe ends PROBE_STEPS steps after the first
 
 
 def budget_for(more_steps: int, evaluated: bool) -> tuple[float, float, float]:
@@ -504,7 +504,7 @@ def budget_for(more_steps: int, evaluated: bool) -> tuple[float, float, float]:
   first step, after the probe, around the held-out evaluation at the deciding step (when eval is
   on) and at the decision."""
   elapsed = (5 if evaluated else 3) * TICK
-  reserve = (TICK if evaluated else 0.0) + trainer.RESERVE_STEPS * PACE + trainer.RESERVE_SECONDS
+  reserve = (TICK if evaluated else 0.0) + timebox.RESERVE_STEPS * PACE + timebox.RESERVE_SECONDS
   return elapsed + reserve + (more_steps + 0.5) * PACE, elapsed, reserve
 
 
@@ -537,7 +537,7 @@ def test_time_boxed_run_with_time_for_every_step_matches_the_default(synthetic, 
 def test_time_boxed_run_fits_its_schedule_to_the_budget(synthetic, tmp_path, monkeypatch, capsys):
   ceiling, more = 30, 3
   max_seconds, elapsed, reserve = budget_for(more, evaluated=True)
-  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  monkeypatch.setattr(timebox, "clock", FakeClock(TICK))
   out = tmp_path / "run"
   p = preset(synthetic, out, num_steps=ceiling, max_seconds=max_seconds, eval_shards=1,
              eval_batches=1)
@@ -553,7 +553,7 @@ def test_time_boxed_run_fits_its_schedule_to_the_budget(synthetic, tmp_path, mon
   # fitted count, which ends where a run of that many steps would: the last step at the
   # schedule's value before its end, the optimizer's count at the end value (0).
   lrs = [r["lr"] for r in result.history]
-  provisional, schedule = trainer.make_schedule(p.train), trainer.make_schedule(p.train, fitted)
+  provisional, schedule = optimizer.make_schedule(p.train), optimizer.make_schedule(p.train, fitted)
   assert lrs[:DECIDED_AT] == pytest.approx([float(provisional(s)) for s in range(DECIDED_AT)])
   assert lrs[DECIDED_AT:] == pytest.approx(
       [float(schedule(s)) for s in range(DECIDED_AT, fitted)])
@@ -564,7 +564,7 @@ def test_time_boxed_run_fits_its_schedule_to_the_budget(synthetic, tmp_path, mon
   assert result.drafter_dir == out / "drafter" and (out / "drafter").is_dir()
   # A budget already spent at the decision ends the run at once, checkpoint and drafter
   # included; the CLI reports the fitted count.
-  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  monkeypatch.setattr(timebox, "clock", FakeClock(TICK))
   out = tmp_path / "spent"
   assert cli.main(["train", "--config", str(TINY), "--no-progress", f"train.data={synthetic}",
                    f"train.output_dir={out}", "train.seq_len=64", "train.log_every=2",
@@ -578,18 +578,18 @@ def test_resumed_time_boxed_run_keeps_its_schedule(synthetic, tmp_path, monkeypa
   more = 4
   kw = dict(num_steps=30, max_seconds=budget_for(more, evaluated=False)[0],
             checkpoint_every=DECIDED_AT - 1)
-  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  monkeypatch.setattr(timebox, "clock", FakeClock(TICK))
   full = trainer.train(preset(synthetic, tmp_path / "full", **kw), progress=False, export=False)
   fitted = DECIDED_AT + more
   assert full.num_steps == full.last_step == fitted
   crashed = preset(synthetic, tmp_path / "crash", **kw)
-  monkeypatch.setattr(trainer, "_clock", FakeClock(TICK))
+  monkeypatch.setattr(timebox, "clock", FakeClock(TICK))
   first = trainer.train(crashed, stop_after=DECIDED_AT + 2, save_at_stop=False, progress=False,
                         export=False)  # dies after the decision; the newest checkpoint is before
   assert first.num_steps == fitted and first.last_step == DECIDED_AT + 2
   schedule = (tmp_path / "crash" / "schedule.json").read_text()
   # A clock far slower than the first call's: probing again would fit no more steps.
-  monkeypatch.setattr(trainer, "_clock", FakeClock(100 * TICK))
+  monkeypatch.setattr(timebox, "clock", FakeClock(100 * TICK))
   resumed = trainer.train(crashed, progress=False, export=False)
   assert resumed.start_step == DECIDED_AT - 1
   assert resumed.num_steps == resumed.last_step == fitted
@@ -603,7 +603,7 @@ def test_resumed_time_boxed_run_keeps_its_schedule(synthetic, tmp_path, monkeypa
 
 
 class ListClock:
-  """A clock for ``trainer._clock`` that returns ``readings`` in turn, then keeps the last."""
+  """A clock for ``timebox.clock`` that returns ``readings`` in turn, then keeps the last."""
 
   def __init__(self, readings):
     self.readings = list(readings)
@@ -620,7 +620,7 @@ def test_time_boxed_run_that_slows_after_its_probe_refits_its_schedule(synthetic
   # decision, when re-timing starts, and at each re-fit step.
   more, slow = 200, 2 * PACE
   max_seconds = budget_for(more, evaluated=False)[0]
-  assert trainer.REFIT_FRACTIONS == (0.1, 0.3, 0.6) and trainer.REFIT_MIN_STEPS <= 20
+  assert timebox.REFIT_FRACTIONS == (0.1, 0.3, 0.6) and timebox.REFIT_MIN_STEPS <= 20
 
   def clock():
     start = [TICK, 2 * TICK, 3 * TICK, 4 * TICK, 5 * TICK]
@@ -631,7 +631,7 @@ def test_time_boxed_run_that_slows_after_its_probe_refits_its_schedule(synthetic
   # more steps fit. At the second the same pace fits the same count: no change.
   refit_at, refitted = DECIDED_AT + 20, DECIDED_AT + 20 + 75
   kw = dict(num_steps=1000, max_seconds=max_seconds, checkpoint_every=25)
-  monkeypatch.setattr(trainer, "_clock", clock())
+  monkeypatch.setattr(timebox, "clock", clock())
   p = preset(synthetic, tmp_path / "full", **kw)
   full = trainer.train(p, progress=False, export=False)
   assert full.num_steps == full.last_step == refitted
@@ -644,19 +644,19 @@ def test_time_boxed_run_that_slows_after_its_probe_refits_its_schedule(synthetic
   # those of the schedule over the re-fitted count at the same steps (a jump down here, where
   # the count shrank), still falling to that schedule's last value at the new end.
   lrs = np.array([r["lr"] for r in full.history])
-  planned = trainer._schedule_values(p.train, DECIDED_AT + more, DECIDED_AT + more)
+  planned = timebox._schedule_values(p.train, DECIDED_AT + more, DECIDED_AT + more)
   np.testing.assert_allclose(lrs[DECIDED_AT:refit_at], planned[DECIDED_AT:refit_at], rtol=1e-6)
-  replanned = trainer._schedule_values(p.train, refitted, refitted)
+  replanned = timebox._schedule_values(p.train, refitted, refitted)
   np.testing.assert_allclose(lrs[refit_at:], replanned[refit_at:], rtol=1e-6)
   assert lrs[refit_at] < 0.98 * planned[refit_at]  # not the old schedule's rate
   assert np.all(np.diff(lrs[refit_at - 1:]) < 0)
   # A run that dies after the re-fit resumes on the same rates and count, without re-timing.
-  monkeypatch.setattr(trainer, "_clock", clock())
+  monkeypatch.setattr(timebox, "clock", clock())
   crashed = preset(synthetic, tmp_path / "crash", **kw)
   first = trainer.train(crashed, stop_after=refit_at + 10, save_at_stop=False, progress=False,
                         export=False)
   assert first.num_steps == refitted
-  monkeypatch.setattr(trainer, "_clock", FakeClock(100 * TICK))
+  monkeypatch.setattr(timebox, "clock", FakeClock(100 * TICK))
   resumed = trainer.train(crashed, progress=False, export=False)
   assert resumed.start_step == 25 and resumed.num_steps == resumed.last_step == refitted
   full_lrs = {r["step"]: r["lr"] for r in full.history}
@@ -667,18 +667,18 @@ def test_time_boxed_run_that_slows_after_its_probe_refits_its_schedule(synthetic
 
 def test_refit_keeps_the_steps_run_and_places_the_rest_on_the_new_schedule():
   cfg = types.SimpleNamespace(learning_rate=1.0, warmup_fraction=0.1, num_steps=10)
-  schedule = lambda n: trainer._schedule_values(cfg, n, n)
+  schedule = lambda n: timebox._schedule_values(cfg, n, n)
   rates = schedule(10)  # steps 1..10
-  longer = trainer._refitted(cfg, rates, 8, 20)
+  longer = timebox._refitted(cfg, rates, 8, 20)
   assert len(longer) == 20 and np.array_equal(longer[:8], rates[:8])
   np.testing.assert_allclose(longer[8:], schedule(20)[8:], rtol=1e-6)
   # The steps added late are not spent in the old schedule's tail: the rate jumps back up.
   assert longer[8] > 5 * rates[8] and np.all(np.diff(longer[8:]) < 0)
-  shorter = trainer._refitted(cfg, rates, 4, 6)
+  shorter = timebox._refitted(cfg, rates, 4, 6)
   assert len(shorter) == 6 and np.array_equal(shorter[:4], rates[:4])
   np.testing.assert_allclose(shorter[4:], schedule(6)[4:], rtol=1e-6)
   assert shorter[4] < rates[4]
-  assert np.array_equal(trainer._refitted(cfg, rates, 4, 4), rates[:4])  # the budget is spent
+  assert np.array_equal(timebox._refitted(cfg, rates, 4, 4), rates[:4])  # the budget is spent
 
 
 @pytest.mark.parametrize("value", [0, -5, "soon", True])

@@ -39,7 +39,7 @@ import json
 import logging
 import pathlib
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
