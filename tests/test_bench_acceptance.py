@@ -427,12 +427,14 @@ def test_real_run_prints_one_row_per_category(spec_bench_path, tmp_path, capsys)
   for line in scores[2:]:
     cells = line.strip("| ").split(" | ")
     assert int(cells[1]) > 0
-    # per drafter: top-1 s1, top-1 s2, W=1 run, s1 or rule; the same drafter twice scores the same
-    assert cells[2:6] == cells[6:10]
+    # per drafter: top-1 s1, top-1 s2, W=1 run, s1 or rule, s1 or lookup; the same drafter
+    # twice scores the same
+    assert cells[2:7] == cells[7:12]
     assert all(0.0 <= float(c) <= 1.0 for c in cells[2:4]) and 1.0 <= float(cells[4]) <= 5.0
     assert float(cells[2]) <= float(cells[5]) <= 1.0  # or the rule: at least the drafter's
+    assert float(cells[2]) <= float(cells[6]) <= 1.0  # or the lookup: the same
   for line in differences[2:]:
-    assert line.count("+0.000 [+0.000, +0.000]") == 4
+    assert line.count("+0.000 [+0.000, +0.000]") == 5
   for line in copying[2:]:
     cells = line.strip("| ").split(" | ")
     assert cells[4:8] == cells[8:12] and cells[4] == scores[copying.index(line)].split(" | ")[2]
