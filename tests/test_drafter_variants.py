@@ -281,9 +281,7 @@ def test_lookup_covered_positions_weigh_as_asked():
   seg = np.ones_like(tokens)
   mask = np.ones_like(tokens)
   mask[:, :2] = 0
-  covered = np.asarray(losses.lookup_covered(
-      jnp.asarray(tokens), losses.future_window(jnp.asarray(tokens), 2, 1)[:, :, 0],
-      jnp.asarray(seg), 3))
+  covered = np.asarray(losses.lookup_covered(jnp.asarray(tokens), jnp.asarray(seg), 3))
   assert np.flatnonzero(covered[0]).tolist() == [3, 4]
   drafter_of, params = _split(_loss_drafter())
   rng = np.random.default_rng(4)

@@ -381,7 +381,7 @@ class Scored:
   token before it), ``target_N`` (that token), ``hits_KNn`` (drafter k's top-1 at step i is the
   LLM's token, ``teacher_forced_hits``), ``rule_fires_N`` / ``rule_hit_N`` (the copy rule
   guesses / guesses right at step 1), ``lookup_hit_N`` (the context lookup's first token is
-right); ``beams``: each drafter's ``BeamHits`` (with --beams)."""
+  right); ``beams``: each drafter's ``BeamHits`` (with --beams)."""
 
   categories: list[str]  # of the answers
   answer_N: np.ndarray
@@ -436,8 +436,7 @@ def score_answers(llm, drafters, answers, n: int, beams: int = 0,
       guess_T, fires_T = copy_rule(seq_T)
       target = pos.seq[starts + 2]
       seq_1T = jnp.asarray(seq_T[None], jnp.int32)
-      covered_T = np.asarray(lookup_covered(seq_1T, jnp.pad(seq_1T[:, 2:], ((0, 0), (0, 2))),
-                                            jnp.ones_like(seq_1T), lookup_ngram))[0]
+      covered_T = np.asarray(lookup_covered(seq_1T, jnp.ones_like(seq_1T), lookup_ngram))[0]
       parts["answer"].append(np.full(starts.shape, a))
       parts["position"].append(starts + 2 - len(prompt))
       parts["target"].append(target)

@@ -26,8 +26,8 @@ manifest's settings) each row is ``[D + k*D]``: the last hidden state (the soft 
 then the normed states of those layers (``Llama.forward_layers``: what the drafter reads). Such a
 folder also serves drafters that read fewer of its layers, down to none (the last hidden state
 alone), and the model's last layer, whose tap is the last hidden state itself: training reads only
-their columns (``feature_store.feature_columns``), so one folder serves a whole ablation over layer choices and
-its baseline.
+their columns (``feature_store.feature_columns``), so one folder serves a whole ablation over
+layer choices and its baseline.
 
 The command resumes: shards the manifest lists are skipped.
 """

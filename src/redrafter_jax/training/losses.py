@@ -176,8 +176,8 @@ def plackett_luce_nll(logits_xV: jax.Array, ranked_xK: jax.Array) -> jax.Array:
 
 
 def _chunk_sums(drafter, soft, embed_VD, memory_kv, h_BPD, prev_emb_BPnD, targets_BPn,
-                weights_BPn, ce_weights_BPn, obj_weights_BPn, teacher_p_BPnV, own_BPn, ranked_BPnK, hint_tok_BPn,
-                hint_len_BPn, pos_BP, seg_BP):
+                weights_BPn, ce_weights_BPn, obj_weights_BPn, teacher_p_BPnV, own_BPn,
+                ranked_BPnK, hint_tok_BPn, hint_len_BPn, pos_BP, seg_BP):
   """Per-step sums over one chunk: cross-entropy, the objective's weighted cross-entropy, top-1
   hits, top-5 hits, the objective's weighted ranking loss (each ``[n]``).
 
@@ -214,12 +214,13 @@ def _chunk_sums(drafter, soft, embed_VD, memory_kv, h_BPD, prev_emb_BPnD, target
   return ce_n, obj_n, top1_n, top5_n, rank_loss_n
 
 
-def lookup_covered(tokens_BT, next_target_BT, segment_ids_BT, lookup_ngram: int) -> jax.Array:
+def lookup_covered(tokens_BT, segment_ids_BT, lookup_ngram: int) -> jax.Array:
   """Where the context lookup's first token is right: at position t (step 1 reads token t+1 and
-  predicts ``next_target[t]`` = token t+2), the copy hint at t+1 over up to ``lookup_ngram``
-  tokens of t's packed sequence fires and equals the target (``[B, T]`` bool)."""
+  predicts token t+2), the copy hint at t+1 over up to ``lookup_ngram`` tokens of t's packed
+  sequence fires and equals token t+2 (``[B, T]`` bool; past the row's end the target is 0)."""
   hint = teacher_forced_hints(tokens_BT, 1, max_ngram=lookup_ngram, segment_BT=segment_ids_BT)
-  return (hint.length_x[:, :, 0] > 0) & (hint.token_x[:, :, 0] == next_target_BT)
+  next_BT = future_window(tokens_BT, 2, 1)[:, :, 0]
+  return (hint.length_x[:, :, 0] > 0) & (hint.token_x[:, :, 0] == next_BT)
 
 
 def restricted_targets(targets_BTn, vocab_ids_R, vocab_size: int):
@@ -305,8 +306,7 @@ def distill_loss(drafter_of: Callable[[Any], Drafter], drafter_params, batch: Lo
   # The objective's weights: the lookup-covered positions' (every step) weigh less or more.
   position_w_BT = jnp.ones((B, T), jnp.float32)
   if config.lookup_covered_weight != 1.0:
-    covered_BT = lookup_covered(tokens_BT, targets_BTn[:, :, 0], segment_ids_BT,
-                                config.lookup_ngram)
+    covered_BT = lookup_covered(tokens_BT, segment_ids_BT, config.lookup_ngram)
     position_w_BT = jnp.where(covered_BT, jnp.float32(config.lookup_covered_weight), 1.0)
   if vocab_ids_R is not None:
     targets_BTn, in_vocab_BTn = restricted_targets(targets_BTn, vocab_ids_R,

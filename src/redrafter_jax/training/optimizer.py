@@ -19,8 +19,8 @@ def make_schedule(cfg, num_steps: int | None = None) -> optax.Schedule:
 def make_optimizer(cfg, learning_rate: float | None = None) -> optax.GradientTransformation:
   """AdamW (``weight_decay``) after global-norm clipping (``grad_clip``), at ``learning_rate``
   (default: ``make_schedule(cfg)``, inside the optimizer's state). A time-boxed run passes 1.0
-  and scales the updates by each step's learning rate in the step (``trainer._train_step``): the same
-  AdamW, with the rate an input."""
+  and scales the updates by each step's learning rate in the step (``trainer._train_step``):
+  the same AdamW, with the rate an input."""
   lr = make_schedule(cfg) if learning_rate is None else learning_rate
   adamw = optax.adamw(lr, weight_decay=cfg.weight_decay)
   if cfg.grad_clip and cfg.grad_clip > 0:
